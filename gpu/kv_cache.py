@@ -1,0 +1,66 @@
+"""Paged KV memory: a device pool and a CPU swap pool, both `[layers, 2, blocks, block_size, kv_heads, head_dim]`.
+
+One tensor per pool, so a swap of many blocks across all layers is a single indexed copy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True, frozen=True)
+class KVShape:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_block(self) -> int:
+        element_size = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * element_size
+
+
+class PagedKVCache:
+    """Owns the block pools. Which block holds what is decided elsewhere; this only stores and copies."""
+
+    def __init__(self, shape: KVShape, num_device_blocks: int, num_cpu_blocks: int, device: torch.device) -> None:
+        if num_device_blocks < 1:
+            raise ValueError("the KV budget is smaller than one block; raise kv_cache_bytes")
+        self.shape = shape
+        self.device = device
+        dims = (shape.num_layers, 2)
+        tail = (shape.block_size, shape.num_kv_heads, shape.head_dim)
+        self.device_pool = torch.zeros(*dims, num_device_blocks, *tail, dtype=shape.dtype, device=device)
+        self.cpu_pool = torch.zeros(*dims, num_cpu_blocks, *tail, dtype=shape.dtype,
+                                    pin_memory=device.type == "cuda")
+        self.num_device_blocks = num_device_blocks
+        self.num_cpu_blocks = num_cpu_blocks
+
+    def layer_slots(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of one layer as `[num_blocks * block_size, kv_heads, head_dim]` views (slot-indexed)."""
+        flat = (-1, self.shape.num_kv_heads, self.shape.head_dim)
+        return self.device_pool[layer, 0].view(flat), self.device_pool[layer, 1].view(flat)
+
+    def swap_out(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy device blocks to CPU blocks, all layers at once. pairs: (device block, cpu block)."""
+        if not pairs:
+            return
+        device_ids = torch.tensor([d for d, _ in pairs], device=self.device)
+        cpu_ids = torch.tensor([c for _, c in pairs])
+        moved = self.device_pool.index_select(2, device_ids).to("cpu", non_blocking=True)
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        self.cpu_pool.index_copy_(2, cpu_ids, moved)
+
+    def swap_in(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy CPU blocks back to device blocks. pairs: (cpu block, device block)."""
+        if not pairs:
+            return
+        cpu_ids = torch.tensor([c for c, _ in pairs])
+        device_ids = torch.tensor([d for _, d in pairs], device=self.device)
+        moved = self.cpu_pool.index_select(2, cpu_ids).to(self.device, non_blocking=True)
+        self.device_pool.index_copy_(2, device_ids, moved)

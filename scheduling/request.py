@@ -1,0 +1,112 @@
+"""A request, its lifecycle, and the events it emits."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import NewType
+
+from gpu.plan import SamplingParams
+
+RequestId = NewType("RequestId", str)
+TenantId = NewType("TenantId", str)
+
+
+class RequestStatus(enum.Enum):
+    """Only the scheduler changes a request's status."""
+
+    WAITING = "waiting"  # queued; also a request preempted by recompute
+    RUNNING = "running"  # holds device blocks and is scheduled each step
+    SWAPPED = "swapped"  # its blocks live in the CPU pool until it is swapped back in
+    FINISHED_STOPPED = "finished_stopped"  # met a stop token (or a stop string, told by the API layer)
+    FINISHED_LENGTH = "finished_length"  # reached max_tokens or the model's context
+    FINISHED_ABORTED = "finished_aborted"  # the client left or asked to stop
+    FINISHED_ERROR = "finished_error"  # the engine failed while running it
+
+    @property
+    def is_finished(self) -> bool:
+        return self in _FINISH_REASONS
+
+
+class PriorityClass(enum.Enum):
+    INTERACTIVE = "interactive"
+    BATCH = "batch"
+
+
+# The OpenAI finish_reason of each finished status, in one place.
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
+
+def finish_reason(status: RequestStatus) -> str | None:
+    return _FINISH_REASONS.get(status)
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    """One generation. `num_computed_tokens` catches up to `num_tokens`: prefill chunks, decodes and
+    the resume of a recomputed request are all the same path."""
+
+    request_id: RequestId
+    prompt_token_ids: list[int]
+    max_tokens: int
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop_token_ids: frozenset[int] = frozenset()  # empty to ignore EOS (benchmarks)
+    tenant_id: TenantId = TenantId("default")
+    priority: PriorityClass = PriorityClass.INTERACTIVE
+    arrival_time: float = field(default_factory=time.monotonic)
+    status: RequestStatus = RequestStatus.WAITING
+    token_ids: list[int] = field(default_factory=list)  # prompt then output; filled in __post_init__
+    num_computed_tokens: int = 0  # tokens whose K/V sit in the cache
+    block_ids: list[int] = field(default_factory=list)  # device blocks, position order
+    cpu_block_ids: list[int] = field(default_factory=list)  # CPU blocks while SWAPPED
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    num_preemptions: int = 0
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+
+@dataclass(slots=True, frozen=True)
+class TokenEvent:
+    """What a request's stream receives after a step: new tokens, and a finish reason at the end."""
+
+    request_id: RequestId
+    new_token_ids: tuple[int, ...]
+    finish_reason: str | None  # None while the request goes on
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int = 0
+    error: str | None = None  # set with finish_reason "error"
+
+    @property
+    def is_final(self) -> bool:
+        return self.finish_reason is not None

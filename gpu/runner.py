@@ -80,7 +80,8 @@ class ModelRunner:
         meta = self._metadata(sequences)
         output = self.model(input_ids=input_ids, position_ids=positions, logits_to_keep=keep,
                             use_cache=False, paged_metadata=meta)
-        return output.logits[0].float()
+        logits: torch.Tensor = output.logits[0].float()
+        return logits
 
     def _metadata(self, sequences: Sequence[ScheduledSequence]) -> PagedMetadata:
         num_decodes = sum(1 for s in sequences if len(s.token_ids) == 1)
@@ -146,5 +147,7 @@ def packed_inputs(sequences: Sequence[ScheduledSequence], device: torch.device
         positions.extend(range(seq.start_position, seq.start_position + len(seq.token_ids)))
         if seq.needs_sample:
             keep.append(len(ids) - 1)
-    as_tensor = lambda values: torch.tensor(values, dtype=torch.long, device=device)  # noqa: E731
+    def as_tensor(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=device)
+
     return as_tensor(ids)[None], as_tensor(positions)[None], as_tensor(keep)

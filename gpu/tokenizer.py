@@ -69,7 +69,7 @@ class HFTokenizer:
 
     @property
     def vocab_size(self) -> int:
-        return int(len(self._tokenizer))
+        return len(self._tokenizer)
 
     def encode(self, text: str) -> list[int]:
         return list(self._tokenizer.encode(text, add_special_tokens=False))

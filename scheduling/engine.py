@@ -131,17 +131,28 @@ class Engine:
 
     def stats(self) -> dict[str, Any]:
         s = self.scheduler
+        c = s.counters
+        bytes_per_block = s.geometry.bytes_per_block
         return {
             "running": len(s.running),
-            "waiting": len(s.waiting) + len(self._incoming),
-            "swapped": 0,
+            "waiting": sum(len(q) for q in s.waiting.values()) + len(self._incoming),
+            "swapped": len(s.swapped),
             "kv_blocks_in_use": s.blocks.device.num_used,
             "kv_blocks_total": s.blocks.device.num_blocks,
             "cpu_blocks_in_use": s.blocks.cpu.num_used,
             "cpu_blocks_total": s.blocks.cpu.num_blocks,
-            "requests_finished": s.counters.num_finished,
-            "requests_aborted": s.counters.num_aborted,
-            "preemptions_recompute": s.counters.num_preemptions_recompute,
+            "requests_finished": c.num_finished,
+            "requests_aborted": c.num_aborted,
+            "preemptions": {"swap": c.preemptions["swap"], "recompute": c.preemptions["recompute"]},
+            "swap": {
+                "blocks_out": c.blocks_swapped_out, "blocks_in": c.blocks_swapped_in,
+                "bytes_out": c.blocks_swapped_out * bytes_per_block,
+                "bytes_in": c.blocks_swapped_in * bytes_per_block,
+            },
+            "by_class": {p.value: {"running": sum(r.priority is p for r in s.running),
+                                   "waiting": len(s.waiting[p]),
+                                   "swapped": sum(r.priority is p for r in s.swapped)} for p in s.waiting},
+            "tenants": s.tenant_stats(),
             "steps": self.times.steps,
             "forward_seconds": round(self.times.forward_seconds, 6),
             "busy_seconds": round(self.times.busy_seconds, 6),

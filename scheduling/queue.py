@@ -1,24 +1,28 @@
-"""Waiting-queue order behind a small protocol, with a factory (FCFS now; fair queues plug in here)."""
+"""Waiting-queue order behind a small protocol, with a factory: FCFS, or per-tenant weighted fair (VTC).
+
+`peek(exclude)` returns the next request whose tenant is not excluded, so the scheduler can pass
+over a tenant that is at its limits without losing the order of the others.
+"""
 
 from __future__ import annotations
 
+import heapq
+import itertools
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Container, Iterator
 from typing import Protocol
 
 from scheduling.request import Request
+from tenancy.vtc import VirtualTokenCounter
 
 
 class RequestQueue(Protocol):
-    """Orders waiting requests. `prepend` puts a preempted request back at the head."""
-
     def add(self, request: Request) -> None: ...
 
-    def prepend(self, request: Request) -> None: ...
+    def prepend(self, request: Request) -> None:
+        """Put a preempted request back at the head of its tenant's line."""
 
-    def peek(self) -> Request: ...
-
-    def pop(self) -> Request: ...
+    def peek(self, exclude: Container[str] = ()) -> Request | None: ...
 
     def remove(self, request: Request) -> None: ...
 
@@ -28,7 +32,7 @@ class RequestQueue(Protocol):
 
 
 class FCFSQueue:
-    """First come, first served."""
+    """First come, first served, across tenants."""
 
     def __init__(self) -> None:
         self._requests: deque[Request] = deque()
@@ -39,11 +43,8 @@ class FCFSQueue:
     def prepend(self, request: Request) -> None:
         self._requests.appendleft(request)
 
-    def peek(self) -> Request:
-        return self._requests[0]
-
-    def pop(self) -> Request:
-        return self._requests.popleft()
+    def peek(self, exclude: Container[str] = ()) -> Request | None:
+        return next((r for r in self._requests if r.tenant_id not in exclude), None)
 
     def remove(self, request: Request) -> None:
         self._requests.remove(request)
@@ -55,7 +56,77 @@ class FCFSQueue:
         return iter(self._requests)
 
 
-def create_request_queue(policy: str) -> RequestQueue:
+class VTCQueue:
+    """FIFO per tenant; across tenants, the smallest virtual token counter goes first.
+
+    A lazy min-heap of (counter, tiebreak, tenant): counters only grow, so an entry whose counter is
+    out of date is refreshed when it reaches the top. Selection is O(log tenants) amortized.
+    """
+
+    def __init__(self, counter: VirtualTokenCounter) -> None:
+        self._counter = counter
+        self._per_tenant: dict[str, deque[Request]] = {}
+        self._heap: list[tuple[float, int, str]] = []
+        self._tiebreak = itertools.count()
+        self._size = 0
+
+    def _push(self, tenant_id: str) -> None:
+        heapq.heappush(self._heap, (self._counter.get(tenant_id), next(self._tiebreak), tenant_id))
+
+    def _line(self, request: Request) -> deque[Request]:
+        line = self._per_tenant.get(request.tenant_id)
+        if line is None:
+            line = self._per_tenant[request.tenant_id] = deque()
+            self._push(request.tenant_id)
+        return line
+
+    def add(self, request: Request) -> None:
+        self._line(request).append(request)
+        self._size += 1
+
+    def prepend(self, request: Request) -> None:
+        self._line(request).appendleft(request)
+        self._size += 1
+
+    def peek(self, exclude: Container[str] = ()) -> Request | None:
+        passed_over: list[tuple[float, int, str]] = []
+        found: Request | None = None
+        while self._heap:
+            counter, _, tenant_id = self._heap[0]
+            line = self._per_tenant.get(tenant_id)
+            if not line:
+                heapq.heappop(self._heap)  # the tenant's line emptied since
+            elif counter != self._counter.get(tenant_id):
+                heapq.heapreplace(self._heap, (self._counter.get(tenant_id), next(self._tiebreak), tenant_id))
+            elif tenant_id in exclude:
+                passed_over.append(heapq.heappop(self._heap))
+            else:
+                found = line[0]
+                break
+        for entry in passed_over:
+            heapq.heappush(self._heap, entry)
+        return found
+
+    def remove(self, request: Request) -> None:
+        line = self._per_tenant[request.tenant_id]
+        line.remove(request)
+        self._size -= 1
+        if not line:
+            del self._per_tenant[request.tenant_id]
+
+    def queued_by_tenant(self) -> dict[str, int]:
+        return {t: len(line) for t, line in self._per_tenant.items()}
+
+    def __len__(self) -> int:
+        return self._size
+
+    def __iter__(self) -> Iterator[Request]:
+        return itertools.chain.from_iterable(self._per_tenant.values())
+
+
+def create_request_queue(policy: str, counter: VirtualTokenCounter) -> RequestQueue:
     if policy == "fcfs":
         return FCFSQueue()
-    raise ValueError(f"unknown queue policy '{policy}'")
+    if policy == "vtc":
+        return VTCQueue(counter)
+    raise ValueError(f"unknown queue policy '{policy}' (fcfs or vtc)")

@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 from typing import NewType
 
 from gpu.plan import SamplingParams
+from tenancy.tenants import DEFAULT_TENANT, TenantId
 
 RequestId = NewType("RequestId", str)
-TenantId = NewType("TenantId", str)
 
 
 class RequestStatus(enum.Enum):
@@ -30,8 +30,15 @@ class RequestStatus(enum.Enum):
 
 
 class PriorityClass(enum.Enum):
+    """Interactive is served first; batch uses what it leaves and is preempted for it."""
+
     INTERACTIVE = "interactive"
     BATCH = "batch"
+
+    @property
+    def rank(self) -> int:
+        """Lower runs first and is preempted last."""
+        return 0 if self is PriorityClass.INTERACTIVE else 1
 
 
 # The OpenAI finish_reason of each finished status, in one place.
@@ -57,7 +64,7 @@ class Request:
     max_tokens: int
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop_token_ids: frozenset[int] = frozenset()  # empty to ignore EOS (benchmarks)
-    tenant_id: TenantId = TenantId("default")
+    tenant_id: TenantId = DEFAULT_TENANT
     priority: PriorityClass = PriorityClass.INTERACTIVE
     arrival_time: float = field(default_factory=time.monotonic)
     status: RequestStatus = RequestStatus.WAITING
@@ -67,6 +74,7 @@ class Request:
     cpu_block_ids: list[int] = field(default_factory=list)  # CPU blocks while SWAPPED
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     num_preemptions: int = 0
+    cache_salt: str = ""  # isolates prefix-cache entries (the tenant or its cache group, plus any request salt)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
 

@@ -1,33 +1,49 @@
 """The scheduler: at every step, who runs, how many tokens each, and with which blocks.
 
-Counters, not phases: each request's `num_computed_tokens` catches up to `num_tokens`. Running
-decodes go first, then running prefill chunks, then newly admitted requests, all within a token
-budget and a sequence cap. Only this class changes a request's status.
+Counters, not phases: each request's `num_computed_tokens` catches up to `num_tokens`. A step is
+built in phases, each within one token budget and one sequence cap:
+  1. make room: if interactive requests wait for blocks or slots, preempt running batch requests;
+  2. running requests: interactive before batch, decodes before prefill chunks;
+  3. swapped-in and newly admitted requests: interactive first, batch only when no interactive waits.
+Only this class changes a request's status.
 """
 
 from __future__ import annotations
 
-from collections import deque
-from dataclasses import dataclass
+from collections import Counter, deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 from gpu.plan import CacheGeometry, ScheduledSequence, StepPlan, StepResult
 from scheduling.block_manager import KVBlockManager
-from scheduling.queue import create_request_queue
-from scheduling.request import Request, RequestId, RequestStatus, TokenEvent, finish_reason
+from scheduling.preemption import PreemptionEvent, PreemptionMode, choose_victim
+from scheduling.queue import RequestQueue, create_request_queue
+from scheduling.request import PriorityClass, Request, RequestId, RequestStatus, TokenEvent, finish_reason
+from tenancy.tenants import TenantRegistry
+from tenancy.vtc import ServiceWeights, VirtualTokenCounter
+
+CLASSES = (PriorityClass.INTERACTIVE, PriorityClass.BATCH)
 
 
 @dataclass(slots=True, frozen=True)
 class SchedulerConfig:
     max_num_seqs: int = 64  # sequences in one step
     max_num_batched_tokens: int = 512  # tokens in one step, decodes and prefill chunks together
-    queue_policy: str = "fcfs"
+    queue_policy: str = "vtc"  # vtc (weighted fair per tenant) or fcfs
+    preemption_mode: str = "swap"  # swap (recompute when the CPU pool is full) or recompute
+    batch_min_share: float = 0.0  # share of each step's tokens kept for batch when it has work
+    service_weights: ServiceWeights = field(default_factory=ServiceWeights)
+    kv_share_limit: bool = True  # see Scheduler._over_kv_share
 
 
 @dataclass(slots=True)
 class SchedulerCounters:
     num_finished: int = 0
     num_aborted: int = 0
-    num_preemptions_recompute: int = 0
+    num_steps: int = 0
+    preemptions: Counter[str] = field(default_factory=Counter)  # by mode
+    blocks_swapped_out: int = 0
+    blocks_swapped_in: int = 0
 
 
 class AdmissionError(ValueError):
@@ -35,14 +51,21 @@ class AdmissionError(ValueError):
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, geometry: CacheGeometry) -> None:
+    def __init__(self, config: SchedulerConfig, geometry: CacheGeometry,
+                 tenants: TenantRegistry | None = None) -> None:
         self.config = config
         self.geometry = geometry
+        self.tenants = tenants or TenantRegistry.single_default()
         self.blocks = KVBlockManager(geometry.num_device_blocks, geometry.num_cpu_blocks, geometry.block_size)
-        self.waiting = create_request_queue(config.queue_policy)
+        self.vtc = {c: VirtualTokenCounter(config.service_weights, self.tenants.weight) for c in CLASSES}
+        self.waiting: dict[PriorityClass, RequestQueue] = {
+            c: create_request_queue(config.queue_policy, self.vtc[c]) for c in CLASSES}
         self.running: list[Request] = []
+        self.swapped: list[Request] = []
         self.requests: dict[RequestId, Request] = {}
         self.counters = SchedulerCounters()
+        self.preemption_log: deque[PreemptionEvent] = deque(maxlen=10_000)
+        self._unfinished: Counter[tuple[PriorityClass, str]] = Counter()  # per class and tenant
         self._finished_ids: list[str] = []  # told to the runner with the next plan
 
     # ---- commands -------------------------------------------------------------------------
@@ -54,96 +77,205 @@ class Scheduler:
             raise AdmissionError(
                 f"prompt ({num_prompt_tokens} tokens) plus max_tokens ({max_tokens}) is {total} tokens, "
                 f"more than the model's context of {self.geometry.max_model_len} tokens")
-        blocks = -(-total // self.geometry.block_size)
-        if blocks > self.geometry.num_device_blocks:
+        if -(-total // self.geometry.block_size) > self.geometry.num_device_blocks:
             raise AdmissionError(
                 f"prompt plus max_tokens ({total} tokens) needs more KV memory than the server has "
                 f"({self.geometry.num_device_blocks * self.geometry.block_size} tokens)")
 
     def add_request(self, request: Request) -> None:
         self.check_admissible(request.num_prompt_tokens, request.max_tokens)
+        key = (request.priority, request.tenant_id)
+        if self._unfinished[key] == 0:  # newly backlogged: no banked credit for idle time
+            backlogged = [t for (c, t), n in self._unfinished.items() if c == request.priority and n > 0]
+            self.vtc[request.priority].lift(request.tenant_id, backlogged)
+        self._unfinished[key] += 1
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
-        self.waiting.add(request)
+        self.waiting[request.priority].add(request)
 
     def finish_request(self, request_id: RequestId, status: RequestStatus) -> TokenEvent | None:
         """End a request from outside (abort, or a stop string seen by the API layer)."""
         request = self.requests.get(request_id)
         if request is None:
             return None
-        if request.status == RequestStatus.WAITING:
-            self.waiting.remove(request)
         self._finish(request, status)
         return self._event(request, ())
 
     def has_work(self) -> bool:
-        return bool(self.running or len(self.waiting))
+        return bool(self.running or self.swapped or any(len(q) for q in self.waiting.values()))
 
     # ---- schedule -------------------------------------------------------------------------
 
     def schedule(self) -> StepPlan:
+        self.counters.num_steps += 1
         plan = StepPlan(finished_request_ids=self._finished_ids)
         self._finished_ids = []
         budget = [self.config.max_num_batched_tokens]
-        preempted = self._schedule_running(plan, budget)
-        if not preempted:  # admitting right after preempting would only thrash
-            self._admit_waiting(plan, budget)
+        preempted = self._make_room_for_interactive(plan, budget[0])
+        preempted |= self._schedule_running(plan, budget)
+        if not preempted:  # bringing work in right after pushing work out would only thrash
+            self._resume_and_admit(plan, budget)
         return plan
 
+    def _batch_reserve(self) -> int:
+        has_batch = any(r.priority is PriorityClass.BATCH for r in self.running) or len(
+            self.waiting[PriorityClass.BATCH]) or any(r.priority is PriorityClass.BATCH for r in self.swapped)
+        return int(self.config.batch_min_share * self.config.max_num_batched_tokens) if has_batch else 0
+
+    def _make_room_for_interactive(self, plan: StepPlan, budget: int) -> bool:
+        """Preempt running batch requests until the interactive requests that fit this step's
+        budget have the blocks and slots they need."""
+        blocks_needed, slots_needed = 0, 0
+        for request in self._waiting_interactive_in_order():
+            if budget <= 0:
+                break
+            take = min(request.num_uncomputed_tokens, budget)
+            blocks_needed += self.blocks.blocks_needed(request, take) if not request.cpu_block_ids else len(
+                request.cpu_block_ids) + 1
+            slots_needed += 1
+            budget -= take
+        preempted = False
+        while slots_needed and (blocks_needed > self.blocks.device.num_free
+                                or len(self.running) + slots_needed > self.config.max_num_seqs):
+            batch_running = [r for r in self.running if r.priority is PriorityClass.BATCH]
+            victim = choose_victim(batch_running, PriorityClass.BATCH)
+            if victim is None:
+                break
+            self._preempt(victim, plan, PriorityClass.INTERACTIVE)
+            preempted = True
+        return preempted
+
+    def _waiting_interactive_in_order(self) -> Iterable[Request]:
+        yield from (r for r in self.swapped if r.priority is PriorityClass.INTERACTIVE)
+        yield from self.waiting[PriorityClass.INTERACTIVE]
+
     def _schedule_running(self, plan: StepPlan, budget: list[int]) -> bool:
-        """Decodes first, then unfinished prefills. Returns whether anything was preempted."""
-        pending = deque(sorted(self.running, key=lambda r: r.num_uncomputed_tokens > 1))
+        """Interactive before batch, decodes before prefill chunks. Returns whether any was preempted."""
+        pending = deque(sorted(self.running, key=lambda r: (r.priority.rank, r.num_uncomputed_tokens > 1)))
+        reserve = self._batch_reserve()
         preempted = False
         while pending:
             request = pending.popleft()
-            num_new = min(request.num_uncomputed_tokens, budget[0])
-            if num_new == 0:
+            cap = budget[0] - (reserve if request.priority is PriorityClass.INTERACTIVE else 0)
+            num_new = min(request.num_uncomputed_tokens, cap)
+            if num_new <= 0:
                 continue
             while self.blocks.allocate_slots(request, num_new) is None:
-                victim = max([request, *pending], key=lambda r: r.arrival_time)  # the newest gives way
-                self._preempt(victim)
+                victim = choose_victim([request, *pending], request.priority)
+                assert victim is not None  # the request itself is always a candidate
+                self._preempt(victim, plan, request.priority)
                 preempted = True
                 if victim is request:
                     break
                 pending.remove(victim)
             else:
-                plan.sequences.append(self._scheduled(request, num_new))
-                budget[0] -= num_new
+                self._add_to_plan(plan, request, num_new, budget)
         return preempted
 
-    def _admit_waiting(self, plan: StepPlan, budget: list[int]) -> None:
-        while len(self.waiting) and len(self.running) < self.config.max_num_seqs and budget[0] > 0:
-            request = self.waiting.peek()
-            num_new = min(request.num_uncomputed_tokens, budget[0])
-            if self.blocks.allocate_slots(request, num_new) is None:
+    def _resume_and_admit(self, plan: StepPlan, budget: list[int]) -> None:
+        for priority in CLASSES:
+            if not self._resume_swapped(plan, budget, priority):
                 return
-            self.waiting.pop()
+            if not self._admit_waiting(plan, budget, priority):
+                return  # requests of this class still wait: lower classes do not jump ahead
+
+    def _resume_swapped(self, plan: StepPlan, budget: list[int], priority: PriorityClass) -> bool:
+        """Swap requests of this class back in, oldest preemption first. False if some must wait."""
+        for request in [r for r in self.swapped if r.priority is priority]:
+            if len(self.running) >= self.config.max_num_seqs or budget[0] <= 0:
+                return False
+            num_new = min(request.num_uncomputed_tokens, budget[0])
+            if not self.blocks.can_swap_in(request, num_new):
+                return False
+            pairs = self.blocks.swap_in(request)
+            assert pairs is not None and self.blocks.allocate_slots(request, num_new) is not None
+            plan.swap_in.extend(pairs)
+            self.counters.blocks_swapped_in += len(pairs)
+            self.swapped.remove(request)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            plan.sequences.append(self._scheduled(request, num_new))
-            budget[0] -= num_new
+            self._add_to_plan(plan, request, num_new, budget)
+        return True
 
-    def _preempt(self, request: Request) -> None:
-        """Recompute: drop the KV, requeue at the head; on resume it prefills prompt + output so far."""
-        self.blocks.free(request)
-        request.num_computed_tokens = 0
-        request.num_preemptions += 1
-        request.status = RequestStatus.WAITING
-        self.running.remove(request)
-        self.waiting.prepend(request)
-        self.counters.num_preemptions_recompute += 1
+    def _admit_waiting(self, plan: StepPlan, budget: list[int], priority: PriorityClass) -> bool:
+        """Admit in queue order (VTC across tenants). False if requests of this class still wait."""
+        queue = self.waiting[priority]
+        passed_over: set[str] = set()
+        while len(queue):
+            request = queue.peek(passed_over)
+            if request is None:
+                return True  # only tenants at their limits are left: others may go ahead
+            if len(self.running) >= self.config.max_num_seqs or budget[0] <= 0:
+                return False
+            num_new = min(request.num_uncomputed_tokens, budget[0])
+            if self._at_tenant_limit(request, num_new):
+                passed_over.add(request.tenant_id)
+                continue
+            if self.blocks.allocate_slots(request, num_new) is None:
+                return False
+            queue.remove(request)
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            self._add_to_plan(plan, request, num_new, budget)
+        return True
+
+    def _at_tenant_limit(self, request: Request, num_new: int) -> bool:
+        tenant = self.tenants.get(request.tenant_id)
+        limit = tenant.limits.max_concurrent
+        if limit is not None and sum(r.tenant_id == tenant.tenant_id for r in self.running) >= limit:
+            return True
+        return self._over_kv_share(request, num_new)
+
+    def _over_kv_share(self, request: Request, num_new: int) -> bool:
+        """The KV share rule: while another tenant has a request waiting, a tenant is not admitted
+        past its weighted share of device blocks, total * w / (sum of w of tenants with unfinished
+        requests). Running requests are not cut back; the rule acts at admission."""
+        if not self.config.kv_share_limit:
+            return False
+        active = {t for (_, t), n in self._unfinished.items() if n > 0}
+        others_waiting = any(
+            r.tenant_id != request.tenant_id for q in self.waiting.values() for r in q)
+        if not others_waiting or len(active) < 2:
+            return False
+        total_weight = sum(self.tenants.weight(t) for t in active)
+        share = self.geometry.num_device_blocks * self.tenants.weight(request.tenant_id) / total_weight
+        held = sum(len(r.block_ids) for r in self.running if r.tenant_id == request.tenant_id)
+        return held + self.blocks.blocks_needed(request, num_new) > share
+
+    def _preempt(self, victim: Request, plan: StepPlan, for_class: PriorityClass) -> None:
+        """Swap the victim's KV to the CPU pool; if the pool is full (or swap is off), recompute."""
+        num_blocks = len(victim.block_ids)
+        pairs = self.blocks.swap_out(victim) if self.config.preemption_mode == "swap" else None
+        self.running.remove(victim)
+        victim.num_preemptions += 1
+        if pairs is not None:
+            plan.swap_out.extend(pairs)
+            self.counters.blocks_swapped_out += len(pairs)
+            victim.status = RequestStatus.SWAPPED
+            self.swapped.append(victim)
+            mode = PreemptionMode.SWAP
+        else:
+            self.blocks.free(victim)
+            victim.num_computed_tokens = 0
+            victim.status = RequestStatus.WAITING
+            self.waiting[victim.priority].prepend(victim)
+            mode = PreemptionMode.RECOMPUTE
+        self.counters.preemptions[mode.value] += 1
+        self.preemption_log.append(PreemptionEvent(self.counters.num_steps, victim.request_id,
+                                                   victim.priority, mode, num_blocks, for_class))
 
     @staticmethod
-    def _scheduled(request: Request, num_new: int) -> ScheduledSequence:
+    def _add_to_plan(plan: StepPlan, request: Request, num_new: int, budget: list[int]) -> None:
         start = request.num_computed_tokens
-        return ScheduledSequence(
+        plan.sequences.append(ScheduledSequence(
             request_id=request.request_id,
             token_ids=request.token_ids[start:start + num_new],
             start_position=start,
             block_table=list(request.block_ids),
             needs_sample=start + num_new == request.num_tokens,
             sampling=request.sampling,
-        )
+        ))
+        budget[0] -= num_new
 
     # ---- update ---------------------------------------------------------------------------
 
@@ -154,6 +286,7 @@ class Scheduler:
             request = self.requests.get(RequestId(seq.request_id))
             if request is None or request.status != RequestStatus.RUNNING:
                 continue
+            self._charge(request, seq)
             request.num_computed_tokens += len(seq.token_ids)
             if seq.needs_sample:
                 token = result.sampled_token_ids[seq.request_id]
@@ -163,6 +296,15 @@ class Scheduler:
                     self._finish(request, stop_status)
                 events.append(self._event(request, (token,)))
         return events
+
+    def _charge(self, request: Request, seq: ScheduledSequence) -> None:
+        """Charge the tenant's counter for what this step computed: every fed token but the last
+        output token (whose K/V a decode writes) at w_p, and a sampled token at w_q."""
+        fed = len(seq.token_ids)
+        end = seq.start_position + fed
+        feeds_last_output = end == request.num_tokens and end - 1 >= request.num_prompt_tokens
+        num_prefill = fed - (1 if feeds_last_output else 0)
+        self.vtc[request.priority].charge(request.tenant_id, num_prefill, 1 if seq.needs_sample else 0)
 
     def _stop_status(self, request: Request, token: int) -> RequestStatus | None:
         if token in request.stop_token_ids:
@@ -175,18 +317,23 @@ class Scheduler:
         """The executor failed: end every request with an error rather than leave it hanging."""
         events = []
         for request in list(self.requests.values()):
-            event = self.finish_request(request.request_id, RequestStatus.FINISHED_ERROR)
-            if event is not None:
-                events.append(TokenEvent(event.request_id, (), "error", event.num_prompt_tokens,
-                                         event.num_output_tokens, event.num_cached_tokens, message))
+            self._finish(request, RequestStatus.FINISHED_ERROR)
+            event = self._event(request, ())
+            events.append(TokenEvent(event.request_id, (), "error", event.num_prompt_tokens,
+                                     event.num_output_tokens, event.num_cached_tokens, message))
         return events
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
-        if request in self.running:
+        if request.status == RequestStatus.WAITING:
+            self.waiting[request.priority].remove(request)
+        elif request.status == RequestStatus.RUNNING:
             self.running.remove(request)
+        elif request.status == RequestStatus.SWAPPED:
+            self.swapped.remove(request)
         self.blocks.free(request)
         request.status = status
         del self.requests[request.request_id]
+        self._unfinished[(request.priority, request.tenant_id)] -= 1
         self._finished_ids.append(request.request_id)
         if status == RequestStatus.FINISHED_ABORTED:
             self.counters.num_aborted += 1
@@ -197,3 +344,16 @@ class Scheduler:
     def _event(request: Request, new_tokens: tuple[int, ...]) -> TokenEvent:
         return TokenEvent(request.request_id, new_tokens, finish_reason(request.status),
                           request.num_prompt_tokens, request.num_output_tokens, request.num_cached_tokens)
+
+    # ---- observation ----------------------------------------------------------------------
+
+    def tenant_stats(self) -> dict[str, dict[str, object]]:
+        """Per class: each tenant's VTC counter and queue length."""
+        stats: dict[str, dict[str, object]] = {}
+        for priority in CLASSES:
+            queued: Counter[str] = Counter(r.tenant_id for r in self.waiting[priority])
+            counters = self.vtc[priority].snapshot()
+            tenants = sorted(set(queued) | set(counters))
+            stats[priority.value] = {t: {"vtc_counter": round(counters.get(t, 0.0), 3),
+                                         "queued": queued.get(t, 0)} for t in tenants}
+        return stats

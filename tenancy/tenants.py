@@ -1,0 +1,187 @@
+"""Tenants: who they are, their weight, their keys (hashes only), their classes and limits.
+
+Tenants come from a TOML file of `[[tenants]]` entries. Without one there is a single tenant,
+`default`, and no authentication.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+import tomllib
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, NewType
+
+TenantId = NewType("TenantId", str)
+DEFAULT_TENANT = TenantId("default")
+PRIORITY_CLASSES = ("interactive", "batch")
+KEY_HASH_PREFIX = "sha256:"
+
+
+class TenantsFileError(ValueError):
+    """The tenants file is malformed; the message names the entry and the field."""
+
+
+@dataclass(slots=True, frozen=True)
+class TenantLimits:
+    """Admission limits; None means no limit."""
+
+    max_concurrent: int | None = None  # requests being served at once
+    max_queued: int | None = None  # requests waiting beyond max_concurrent
+    tokens_per_minute: int | None = None  # token bucket: prompt + max_tokens charged at admission
+    max_prompt_tokens: int | None = None
+
+
+@dataclass(slots=True, frozen=True)
+class Tenant:
+    tenant_id: TenantId
+    weight: float = 1.0
+    api_key_hashes: tuple[str, ...] = ()
+    classes: frozenset[str] = frozenset(PRIORITY_CLASSES)
+    limits: TenantLimits = field(default_factory=TenantLimits)
+    cache_group: str | None = None  # tenants naming the same group share prefix-cache entries
+
+    @property
+    def cache_salt(self) -> str:
+        return f"group:{self.cache_group}" if self.cache_group else f"tenant:{self.tenant_id}"
+
+
+def hash_api_key(key: str) -> str:
+    return KEY_HASH_PREFIX + hashlib.sha256(key.encode("utf-8")).hexdigest()
+
+
+def new_api_key() -> str:
+    return "fl-" + secrets.token_urlsafe(32)
+
+
+class TenantRegistry:
+    """Looks tenants up by id and by API key. Keys are compared in constant time."""
+
+    def __init__(self, tenants: Iterable[Tenant], *, requires_auth: bool) -> None:
+        self._tenants = {t.tenant_id: t for t in tenants}
+        self.requires_auth = requires_auth
+        self._key_hashes = [(h.encode(), t) for t in self._tenants.values() for h in t.api_key_hashes]
+
+    @classmethod
+    def single_default(cls) -> TenantRegistry:
+        return cls([Tenant(DEFAULT_TENANT)], requires_auth=False)
+
+    def __iter__(self) -> Any:
+        return iter(self._tenants.values())
+
+    def get(self, tenant_id: str) -> Tenant:
+        """The tenant, or an unlimited weight-1 stand-in for ids not in the file (tests, tools)."""
+        return self._tenants.get(TenantId(tenant_id)) or Tenant(TenantId(tenant_id))
+
+    def weight(self, tenant_id: str) -> float:
+        return self.get(tenant_id).weight
+
+    def authenticate(self, api_key: str | None) -> Tenant | None:
+        """The tenant owning this key; None for a missing or unknown key. Every hash is compared,
+        so timing tells nothing about which one matched or how much of it."""
+        if not self.requires_auth:
+            return self._tenants.get(DEFAULT_TENANT)
+        if not api_key:
+            return None
+        presented = hash_api_key(api_key).encode()
+        found: Tenant | None = None
+        for known, tenant in self._key_hashes:
+            if hmac.compare_digest(presented, known):
+                found = tenant
+        return found
+
+
+def _positive_int(entry: str, data: Mapping[str, Any], key: str) -> int | None:
+    value = data.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise TenantsFileError(f"{entry}: '{key}' must be a positive integer, got {value!r}")
+    return value
+
+
+def _parse_classes(entry: str, raw: Any) -> frozenset[str]:
+    if raw is None:
+        return frozenset(PRIORITY_CLASSES)
+    if not isinstance(raw, list) or not raw or any(c not in PRIORITY_CLASSES for c in raw):
+        raise TenantsFileError(f"{entry}: 'classes' must be a non-empty list of {list(PRIORITY_CLASSES)}")
+    return frozenset(raw)
+
+
+def _parse_key_hashes(entry: str, raw: Any) -> tuple[str, ...]:
+    if not isinstance(raw, list) or any(not isinstance(h, str) for h in raw):
+        raise TenantsFileError(f"{entry}: 'api_key_hashes' must be a list of \"sha256:<hex>\" strings")
+    for h in raw:
+        digest = h.removeprefix(KEY_HASH_PREFIX)
+        if not h.startswith(KEY_HASH_PREFIX) or len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
+            raise TenantsFileError(f"{entry}: 'api_key_hashes' entry {h!r} is not \"sha256:<64 hex digits>\"")
+    return tuple(raw)
+
+
+KNOWN_FIELDS = {"id", "weight", "api_key_hashes", "classes", "max_concurrent", "max_queued",
+                "tokens_per_minute", "max_prompt_tokens", "cache_group"}
+
+
+def parse_tenant(index: int, data: Any) -> Tenant:
+    entry = f"tenants[{index}]"
+    if not isinstance(data, dict):
+        raise TenantsFileError(f"{entry}: must be a table")
+    unknown = sorted(set(data) - KNOWN_FIELDS)
+    if unknown:
+        raise TenantsFileError(f"{entry}: unknown field '{unknown[0]}'")
+    tenant_id = data.get("id")
+    if not isinstance(tenant_id, str) or not tenant_id:
+        raise TenantsFileError(f"{entry}: 'id' must be a non-empty string")
+    entry = f"tenants[{index}] (id '{tenant_id}')"
+    weight = data.get("weight", 1.0)
+    if isinstance(weight, bool) or not isinstance(weight, int | float) or weight <= 0:
+        raise TenantsFileError(f"{entry}: 'weight' must be a number > 0, got {weight!r}")
+    cache_group = data.get("cache_group")
+    if cache_group is not None and (not isinstance(cache_group, str) or not cache_group):
+        raise TenantsFileError(f"{entry}: 'cache_group' must be a non-empty string")
+    limits = TenantLimits(*(_positive_int(entry, data, k) for k in
+                            ("max_concurrent", "max_queued", "tokens_per_minute", "max_prompt_tokens")))
+    return Tenant(TenantId(tenant_id), float(weight), _parse_key_hashes(entry, data.get("api_key_hashes", [])),
+                  _parse_classes(entry, data.get("classes")), limits, cache_group)
+
+
+def load_tenants(path: str | Path) -> TenantRegistry:
+    """Read and validate a tenants file; any problem raises TenantsFileError naming entry and field."""
+    try:
+        with open(path, "rb") as handle:
+            document = tomllib.load(handle)
+    except FileNotFoundError as exc:
+        raise TenantsFileError(f"tenants file not found: {path}") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise TenantsFileError(f"tenants file {path} is not valid TOML: {exc}") from exc
+    entries = document.get("tenants")
+    if not isinstance(entries, list) or not entries:
+        raise TenantsFileError(f"tenants file {path}: expected one or more [[tenants]] entries")
+    tenants = [parse_tenant(i, data) for i, data in enumerate(entries)]
+    seen: set[str] = set()
+    for i, tenant in enumerate(tenants):
+        if tenant.tenant_id in seen:
+            raise TenantsFileError(f"tenants[{i}]: 'id' '{tenant.tenant_id}' appears twice")
+        seen.add(tenant.tenant_id)
+    return TenantRegistry(tenants, requires_auth=True)
+
+
+def append_tenant(path: str | Path, tenant_id: str, weight: float) -> str:
+    """Add a tenant with a fresh key to the file (created if missing); returns the key, stored only hashed."""
+    key = new_api_key()
+    file = Path(path)
+    if file.exists():
+        existing = load_tenants(file)
+        if any(t.tenant_id == tenant_id for t in existing):
+            raise TenantsFileError(f"tenant '{tenant_id}' already exists in {path}")
+    if weight <= 0:
+        raise TenantsFileError("weight must be > 0")
+    block = (f'\n[[tenants]]\nid = "{tenant_id}"\nweight = {float(weight)}\n'
+             f'api_key_hashes = ["{hash_api_key(key)}"]\n')
+    with open(file, "a", encoding="utf-8") as handle:
+        handle.write(block)
+    load_tenants(file)  # the file must still parse
+    return key

@@ -1,0 +1,48 @@
+"""Weighted Virtual Token Counters ("Fairness in Serving Large Language Models", OSDI 2024).
+
+Each tenant's counter grows by the service it received, divided by its weight: `w_p` per prompt
+token computed and `w_q` per generated token. The backlogged tenant with the smallest counter is
+served next; a tenant that becomes backlogged is lifted to the smallest counter among the
+backlogged, so time spent idle is not banked as credit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+
+@dataclass(slots=True, frozen=True)
+class ServiceWeights:
+    prompt: float = 1.0  # w_p, per prompt token computed
+    decode: float = 2.0  # w_q, per generated token
+    cached_prompt: float = 0.1  # multiplier of w_p for prompt tokens served from the prefix cache
+
+
+class VirtualTokenCounter:
+    def __init__(self, weights: ServiceWeights, tenant_weight: Callable[[str], float]) -> None:
+        self.weights = weights
+        self._tenant_weight = tenant_weight
+        self._counters: dict[str, float] = {}
+
+    def get(self, tenant_id: str) -> float:
+        return self._counters.get(tenant_id, 0.0)
+
+    def snapshot(self) -> dict[str, float]:
+        return dict(self._counters)
+
+    def service(self, num_prompt: int, num_decode: int, num_cached_prompt: int = 0) -> float:
+        """Unweighted service of some work, in the VTC's cost units."""
+        w = self.weights
+        return w.prompt * num_prompt + w.decode * num_decode + w.prompt * w.cached_prompt * num_cached_prompt
+
+    def charge(self, tenant_id: str, num_prompt: int, num_decode: int, num_cached_prompt: int = 0) -> None:
+        cost = self.service(num_prompt, num_decode, num_cached_prompt)
+        if cost:
+            self._counters[tenant_id] = self.get(tenant_id) + cost / self._tenant_weight(tenant_id)
+
+    def lift(self, tenant_id: str, backlogged: Iterable[str]) -> None:
+        """Called when tenant_id becomes backlogged: raise it to the smallest backlogged counter."""
+        others = [self.get(t) for t in backlogged if t != tenant_id]
+        if others:
+            self._counters[tenant_id] = max(self.get(tenant_id), min(others))

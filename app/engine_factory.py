@@ -7,6 +7,8 @@ from gpu.models import LoadedModel, load_model
 from gpu.runner import ModelRunner, RunnerBudget
 from scheduling.engine import Engine
 from scheduling.scheduler import Scheduler, SchedulerConfig
+from tenancy.tenants import TenantRegistry, load_tenants
+from tenancy.vtc import ServiceWeights
 
 
 def load_model_for(settings: Settings) -> LoadedModel:
@@ -22,11 +24,21 @@ def build_runner(settings: Settings, loaded: LoadedModel) -> ModelRunner:
 
 
 def scheduler_config_of(settings: Settings) -> SchedulerConfig:
+    weights = ServiceWeights(settings.vtc_prompt_weight, settings.vtc_decode_weight, settings.cached_token_weight)
     return SchedulerConfig(max_num_seqs=settings.max_num_seqs,
-                           max_num_batched_tokens=settings.max_num_batched_tokens)
+                           max_num_batched_tokens=settings.max_num_batched_tokens,
+                           queue_policy=settings.queue_policy,
+                           service_weights=weights,
+                           enable_prefix_caching=settings.enable_prefix_caching)
 
 
-def build_engine(settings: Settings, loaded: LoadedModel | None = None) -> tuple[Engine, ModelRunner]:
+def tenants_of(settings: Settings) -> TenantRegistry:
+    """The tenants file's tenants, or the single unauthenticated `default` tenant."""
+    return load_tenants(settings.tenants_file) if settings.tenants_file else TenantRegistry.single_default()
+
+
+def build_engine(settings: Settings, loaded: LoadedModel | None = None,
+                 tenants: TenantRegistry | None = None) -> tuple[Engine, ModelRunner]:
     runner = build_runner(settings, loaded or load_model_for(settings))
-    scheduler = Scheduler(scheduler_config_of(settings), runner.geometry)
+    scheduler = Scheduler(scheduler_config_of(settings), runner.geometry, tenants or tenants_of(settings))
     return Engine(scheduler, runner, max_queued_requests=settings.max_queued_requests), runner

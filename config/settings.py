@@ -44,6 +44,12 @@ class Settings(BaseModel):
     max_num_seqs: int = Field(default=64, ge=1)
     max_num_batched_tokens: int = Field(default=512, ge=1)
     max_queued_requests: int = Field(default=1024, ge=1)
+    enable_prefix_caching: bool = True
+    queue_policy: Literal["vtc", "fcfs"] = "vtc"
+    vtc_prompt_weight: float = Field(default=1.0, gt=0)  # w_p, per prompt token computed
+    vtc_decode_weight: float = Field(default=2.0, gt=0)  # w_q, per generated token
+    cached_token_weight: float = Field(default=0.1, ge=0)  # share of w_p charged per cached prompt token
+    tenants_file: str | None = None
 
     # HTTP.
     host: str = "127.0.0.1"

@@ -152,6 +152,11 @@ class Engine:
             "by_class": {p.value: {"running": sum(r.priority is p for r in s.running),
                                    "waiting": len(s.waiting[p]),
                                    "swapped": sum(r.priority is p for r in s.swapped)} for p in s.waiting},
+            "prefix_cache": {
+                "queried_tokens": s.blocks.prefix_counters.queried_tokens,
+                "hit_tokens": s.blocks.prefix_counters.hit_tokens,
+                "cached_blocks": s.blocks.device.num_cached,
+            },
             "tenants": s.tenant_stats(),
             "steps": self.times.steps,
             "forward_seconds": round(self.times.forward_seconds, 6),

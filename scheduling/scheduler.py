@@ -34,6 +34,7 @@ class SchedulerConfig:
     batch_min_share: float = 0.0  # share of each step's tokens kept for batch when it has work
     service_weights: ServiceWeights = field(default_factory=ServiceWeights)
     kv_share_limit: bool = True  # see Scheduler._over_kv_share
+    enable_prefix_caching: bool = True
 
 
 @dataclass(slots=True)
@@ -56,7 +57,8 @@ class Scheduler:
         self.config = config
         self.geometry = geometry
         self.tenants = tenants or TenantRegistry.single_default()
-        self.blocks = KVBlockManager(geometry.num_device_blocks, geometry.num_cpu_blocks, geometry.block_size)
+        self.blocks = KVBlockManager(geometry.num_device_blocks, geometry.num_cpu_blocks, geometry.block_size,
+                                     config.enable_prefix_caching)
         self.vtc = {c: VirtualTokenCounter(config.service_weights, self.tenants.weight) for c in CLASSES}
         self.waiting: dict[PriorityClass, RequestQueue] = {
             c: create_request_queue(config.queue_policy, self.vtc[c]) for c in CLASSES}
@@ -207,16 +209,29 @@ class Scheduler:
                 return True  # only tenants at their limits are left: others may go ahead
             if len(self.running) >= self.config.max_num_seqs or budget[0] <= 0:
                 return False
-            num_new = min(request.num_uncomputed_tokens, budget[0])
-            if self._at_tenant_limit(request, num_new):
+            if self._at_tenant_limit(request, min(request.num_uncomputed_tokens, budget[0])):
                 passed_over.add(request.tenant_id)
                 continue
-            if self.blocks.allocate_slots(request, num_new) is None:
+            if not self._admit(request, plan, budget):
                 return False
             queue.remove(request)
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-            self._add_to_plan(plan, request, num_new, budget)
+        return True
+
+    def _admit(self, request: Request, plan: StepPlan, budget: list[int]) -> bool:
+        """Start a waiting request: share its cached prefix, allocate the rest of its first chunk."""
+        num_cached = self.blocks.take_cached_prefix(request)
+        num_new = min(request.num_uncomputed_tokens, budget[0])
+        if self.blocks.allocate_slots(request, num_new) is None:
+            self.blocks.free(request)  # give the shared prefix back; it stays cached
+            request.num_computed_tokens = 0
+            return False
+        self.blocks.record_prefix_query(request, num_cached)
+        if request.num_preemptions == 0:  # usage reports the first admission's hits
+            request.num_cached_tokens = num_cached
+            self.vtc[request.priority].charge(request.tenant_id, 0, 0, num_cached_prompt=num_cached)
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        self._add_to_plan(plan, request, num_new, budget)
         return True
 
     def _at_tenant_limit(self, request: Request, num_new: int) -> bool:
@@ -288,6 +303,7 @@ class Scheduler:
                 continue
             self._charge(request, seq)
             request.num_computed_tokens += len(seq.token_ids)
+            self.blocks.cache_computed_blocks(request)
             if seq.needs_sample:
                 token = result.sampled_token_ids[seq.request_id]
                 request.token_ids.append(token)

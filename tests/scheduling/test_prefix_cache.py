@@ -93,9 +93,9 @@ async def test_later_request_reuses_blocks_the_first_already_filled(make_engine:
     rng = random.Random(3)
     prompt = tokens(rng, 120)
     engine = make_engine(token_budget=32)  # the first prompt takes four steps to prefill
-    first = asyncio.create_task(run(engine, "first", prompt + [1]))
+    first = asyncio.create_task(run(engine, "first", [*prompt, 1]))
     await asyncio.wait_for(_until(lambda: engine.scheduler.blocks.device.num_cached >= 4), 10)
-    _, second = await run(engine, "second", prompt + [2])
+    _, second = await run(engine, "second", [*prompt, 2])
     await first
     assert second.num_cached_tokens >= 64
 

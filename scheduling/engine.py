@@ -12,7 +12,7 @@ import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from gpu.plan import StepPlan, StepResult
 from scheduling.executor import Executor
@@ -28,6 +28,14 @@ class EngineOverloaded(RuntimeError):
 
 class EngineStopped(RuntimeError):
     """The engine is shutting down and takes no new requests."""
+
+
+class EngineObserver(Protocol):
+    """Sees each request's progress, on the engine's task (keep it cheap: it runs every step)."""
+
+    def on_tokens(self, request: Request, event: TokenEvent, now: float) -> None: ...
+
+    def on_finished(self, request: Request, event: TokenEvent, now: float) -> None: ...
 
 
 class RequestStream:
@@ -79,6 +87,7 @@ class Engine:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fairlane-step")
         self._task: asyncio.Task[None] | None = None
         self._accepting = True
+        self.observers: list[EngineObserver] = []
 
     # ---- the public surface ---------------------------------------------------------------
 
@@ -195,6 +204,7 @@ class Engine:
                 self._dispatch([event])
 
     def _dispatch(self, events: list[TokenEvent]) -> None:
+        now = time.monotonic()
         for event in events:
             stream = self._streams.get(event.request_id)
             if stream is None:
@@ -202,6 +212,16 @@ class Engine:
             if event.is_final:
                 del self._streams[event.request_id]
             stream.push(event)
+            self._observe(stream.request, event, now)
+
+    def _observe(self, request: Request, event: TokenEvent, now: float) -> None:
+        if event.new_token_ids and request.first_token_time is None:
+            request.first_token_time = now
+        for observer in self.observers:
+            if event.new_token_ids:
+                observer.on_tokens(request, event, now)
+            if event.is_final:
+                observer.on_finished(request, event, now)
 
     def _account(self, plan: StepPlan, result: StepResult, seconds: float) -> None:
         self.times.steps += 1

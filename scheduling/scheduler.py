@@ -10,8 +10,9 @@ Only this class changes a request's status.
 
 from __future__ import annotations
 
+import time
 from collections import Counter, deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from gpu.plan import CacheGeometry, ScheduledSequence, StepPlan, StepResult
@@ -53,8 +54,9 @@ class AdmissionError(ValueError):
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, geometry: CacheGeometry,
-                 tenants: TenantRegistry | None = None) -> None:
+                 tenants: TenantRegistry | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
+        self.clock = clock  # stamps first_scheduled_time; a virtual clock in simulations
         self.geometry = geometry
         self.tenants = tenants or TenantRegistry.single_default()
         self.blocks = KVBlockManager(geometry.num_device_blocks, geometry.num_cpu_blocks, geometry.block_size,
@@ -226,6 +228,8 @@ class Scheduler:
             request.num_computed_tokens = 0
             return False
         self.blocks.record_prefix_query(request, num_cached)
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = self.clock()
         if request.num_preemptions == 0:  # usage reports the first admission's hits
             request.num_cached_tokens = num_cached
             self.vtc[request.priority].charge(request.tenant_id, 0, 0, num_cached_prompt=num_cached)

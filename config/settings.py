@@ -57,6 +57,7 @@ class Settings(BaseModel):
     max_body_bytes: int = Field(default=4 * MiB, ge=1024)
     shutdown_grace_s: float = Field(default=10.0, ge=0)
     served_model_name: str | None = None
+    default_max_tokens: int = Field(default=256, ge=1)  # when a request gives none (capped by the context left)
 
     @model_validator(mode="after")
     def _check_budgets(self) -> Settings:

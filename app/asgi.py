@@ -1,0 +1,126 @@
+"""Connection-level helpers: bounded body reads, client-gone detection, request ids, the SSE response."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import uuid
+from collections.abc import AsyncGenerator, Coroutine, Mapping
+from typing import Any, TypeVar
+
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from app.errors import APIError
+
+T = TypeVar("T")
+REQUEST_ID_HEADER = b"x-request-id"
+# A client's id is echoed only if it is short printable ASCII: it goes back into a header and logs.
+_VALID_REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")
+
+
+class ClientGone(Exception):
+    """The client closed its connection before the response was complete."""
+
+
+async def read_body(request: Request, max_bytes: int) -> bytes:
+    """The whole body, refused with 413 as soon as it is known to exceed max_bytes: from its
+    Content-Length if it declares one, else while it streams in (chunked uploads declare none)."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > max_bytes:
+        raise _too_large(max_bytes)
+    chunks: list[bytes] = []
+    size = 0
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > max_bytes:
+                raise _too_large(max_bytes)
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise ClientGone from None
+    return b"".join(chunks)
+
+
+def _too_large(max_bytes: int) -> APIError:
+    return APIError(413, f"The request body is larger than the limit of {max_bytes} bytes.")
+
+
+async def wait_for_disconnect(receive: Receive) -> None:
+    """Return when the client goes away. Call only once the body has been read."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def unless_disconnected(receive: Receive, work: Coroutine[Any, Any, T]) -> T:
+    """Run work while watching the connection. If the client leaves first, work is cancelled (and
+    its cleanup has run) before ClientGone is raised."""
+    work_task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(wait_for_disconnect(receive))
+    try:
+        await asyncio.wait((work_task, watcher), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        work_task.cancel()  # a no-op once it is done
+        # Let the cancelled work clean up (it closes the engine request) before going on.
+        await asyncio.gather(work_task, watcher, return_exceptions=True)
+    if work_task.cancelled():
+        raise ClientGone
+    return work_task.result()
+
+
+class EventStreamResponse(Response):
+    """An SSE response that owns its event generator: whether the stream ends, the client leaves
+    or the send fails, the generator is closed here, at once, not whenever it is collected; its
+    cleanup is what releases the engine request."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, events: AsyncGenerator[bytes, None], headers: Mapping[str, str] | None = None) -> None:
+        self.status_code = 200
+        self.background = None
+        self._events = events
+        self.init_headers({"cache-control": "no-cache", "x-accel-buffering": "no", **(headers or {})})
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await unless_disconnected(receive, self._send_all(send))
+        except (ClientGone, OSError):
+            pass  # nobody is left to tell
+        finally:
+            await self._events.aclose()
+
+    async def _send_all(self, send: Send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        async for event in self._events:
+            await send({"type": "http.response.body", "body": event, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+class RequestIdMiddleware:
+    """Every response carries x-request-id: the client's own if it sent a usable one, else a new one.
+    Outermost, so even the error pages of the server's last-resort handler carry it."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request_id = _request_id_of(scope)
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", ()), (REQUEST_ID_HEADER, request_id)]
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
+def _request_id_of(scope: Scope) -> bytes:
+    for name, value in scope["headers"]:
+        if name == REQUEST_ID_HEADER and _VALID_REQUEST_ID.fullmatch(value.decode("latin-1")):
+            return bytes(value)
+    return uuid.uuid4().hex.encode()

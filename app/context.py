@@ -1,0 +1,28 @@
+"""What the HTTP handlers share: the settings, the engine, the tokenizer, and whether we are stopping."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from config.settings import Settings
+from gpu.plan import CacheGeometry
+from gpu.tokenizer import Tokenizer
+from scheduling.engine import Engine
+
+
+@dataclass(slots=True)
+class ServingContext:
+    settings: Settings
+    engine: Engine  # built, not yet started: the app's lifespan starts and stops it
+    tokenizer: Tokenizer
+    created: int = field(default_factory=lambda: int(time.time()))  # reported as the model's creation time
+    is_draining: bool = False  # set once on shutdown: new generations get 503, /health says not ready
+
+    @property
+    def model_name(self) -> str:
+        return self.settings.served_model_name or self.settings.model
+
+    @property
+    def geometry(self) -> CacheGeometry:
+        return self.engine.executor.geometry

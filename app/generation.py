@@ -1,0 +1,96 @@
+"""One request's output as text: token events in, detokenized and stop-string-checked pieces out.
+
+Shared by the chat and completions endpoints, streaming or not. Whatever way the consumer stops
+reading (end of output, stop string, client gone, server stopping), the engine request is closed
+so its KV blocks are freed by the next step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator, Sequence
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import Any
+
+from app.detokenizer import IncrementalDetokenizer
+from app.stop_strings import StopStringMatcher
+from gpu.tokenizer import Tokenizer
+from scheduling.engine import RequestStream
+from scheduling.request import RequestStatus, TokenEvent
+
+
+class GenerationFailed(Exception):
+    """The engine ended the request with an error (a failed step, or the server stopping)."""
+
+
+@dataclass(slots=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+
+
+@dataclass(slots=True, frozen=True)
+class TextPiece:
+    text: str
+    finish_reason: str | None  # "stop" or "length" on the last piece, else None
+
+
+class TextGeneration:
+    """Iterate `pieces()` once; `usage` is complete when it ends."""
+
+    def __init__(self, stream: RequestStream, tokenizer: Tokenizer, stop_strings: Sequence[str]) -> None:
+        self._stream = stream
+        self._detokenizer = IncrementalDetokenizer(tokenizer, stream.request.prompt_token_ids)
+        self._stops = StopStringMatcher(stop_strings)
+        self.usage = Usage(prompt_tokens=stream.request.num_prompt_tokens)
+
+    async def pieces(self) -> AsyncGenerator[TextPiece, None]:
+        try:
+            async for event in self._stream:
+                piece = self._on_event(event)
+                if piece is None:
+                    continue
+                yield piece
+                if piece.finish_reason is not None:
+                    return
+            raise GenerationFailed("the request ended without a result")
+        finally:
+            # A no-op after a normal end; aborts the request when the reader left early.
+            self._stream.close(RequestStatus.FINISHED_ABORTED)
+
+    def _on_event(self, event: TokenEvent) -> TextPiece | None:
+        self.usage.completion_tokens = event.num_output_tokens
+        self.usage.cached_tokens = event.num_cached_tokens
+        if event.finish_reason in ("error", "abort"):
+            raise GenerationFailed(event.error or "the request was aborted by the server")
+        matched = self._stops.feed(self._detokenizer.add(event.new_token_ids))
+        if matched.is_stopped:
+            self._stream.close(RequestStatus.FINISHED_STOPPED)
+            return TextPiece(matched.text, "stop")
+        if event.finish_reason is None:
+            return TextPiece(matched.text, None) if matched.text else None
+        return self._last_piece(matched.text, event.finish_reason)
+
+    def _last_piece(self, text: str, finish_reason: str) -> TextPiece:
+        """The output ended: release what was held back, unless it completes a stop string."""
+        tail = self._stops.feed(self._detokenizer.flush())
+        if tail.is_stopped:
+            return TextPiece(text + tail.text, "stop")
+        return TextPiece(text + tail.text + self._stops.flush(), finish_reason)
+
+
+async def collect(generation: TextGeneration) -> TextPiece:
+    """The whole output as one piece (for non-streaming responses)."""
+    parts: list[str] = []
+    finish_reason: str | None = None
+    async with aclosing(generation.pieces()) as pieces:
+        async for piece in pieces:
+            parts.append(piece.text)
+            finish_reason = piece.finish_reason
+    return TextPiece("".join(parts), finish_reason)

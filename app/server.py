@@ -1,0 +1,140 @@
+"""`fairlane serve`: the Starlette app on uvicorn, with a shutdown that drains before it stops.
+
+On SIGTERM (or Ctrl-C) the server keeps listening but answers new generations with 503 and
+/health with 503, gives running requests `settings.shutdown_grace_s` to finish, ends the rest
+with an error event, and only then lets uvicorn close. A second signal exits at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from types import FrameType
+from typing import Any
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.types import ASGIApp
+
+from app.asgi import ClientGone, RequestIdMiddleware
+from app.cli import add_model_flags, settings_from_args
+from app.context import ServingContext
+from app.errors import APIError, api_error_handler, http_exception_handler, unexpected_error_handler
+from app.routes import CLIENT_CLOSED_STATUS, SHUTTING_DOWN, OpenAIRoutes
+
+logger = logging.getLogger(__name__)
+
+SERVE_FLAG_KEYS = ("host", "port", "served_model_name", "shutdown_grace_s", "max_body_bytes",
+                   "default_max_tokens")
+# After the drain every generation has ended; this only bounds clients too slow to read their last bytes.
+CLOSE_TIMEOUT_S = 5
+
+
+async def _client_gone_handler(request: Request, exc: Exception) -> Response:
+    return Response(status_code=CLIENT_CLOSED_STATUS)
+
+
+def create_app(context: ServingContext) -> ASGIApp:
+    """The ASGI app. Its lifespan starts the engine and, at the very end, stops it."""
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        await context.engine.start()
+        try:
+            yield
+        finally:
+            await context.engine.shutdown(SHUTTING_DOWN)
+
+    app = Starlette(routes=OpenAIRoutes(context).routes(), lifespan=lifespan, exception_handlers={
+        APIError: api_error_handler,
+        HTTPException: http_exception_handler,
+        ClientGone: _client_gone_handler,
+        Exception: unexpected_error_handler,
+    })
+    return RequestIdMiddleware(app)
+
+
+async def drain(context: ServingContext) -> None:
+    """Stop taking work, give running requests the grace period, then end the rest with an error."""
+    context.is_draining = True
+    context.engine.stop_accepting()
+    grace_s = context.settings.shutdown_grace_s
+    if not await context.engine.wait_idle(grace_s):
+        logger.warning("ending %d requests still running after the %.1f s grace period",
+                       context.engine.num_unfinished, grace_s)
+        await context.engine.shutdown(SHUTTING_DOWN)
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn, except that the first exit signal drains the engine before the server stops."""
+
+    def __init__(self, config: uvicorn.Config, context: ServingContext) -> None:
+        super().__init__(config)
+        self._context = context
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._drain_task: asyncio.Task[None] | None = None
+        self._is_shutdown_requested = False
+
+    async def serve(self, sockets: Any = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self._is_shutdown_requested:
+            super().handle_exit(sig, frame)  # a second signal: uvicorn's own, immediate exit
+        else:
+            self.request_shutdown()
+
+    def request_shutdown(self) -> None:
+        """Drain, then stop. Safe to call from a signal handler or another thread; idempotent."""
+        if self._is_shutdown_requested:
+            return
+        self._is_shutdown_requested = True
+        if self._loop is None or not self.started:
+            self.should_exit = True  # nothing is running yet that could need a drain
+            return
+        self._loop.call_soon_threadsafe(self._start_drain)
+
+    def _start_drain(self) -> None:
+        self._drain_task = asyncio.create_task(self._drain_then_exit(), name="fairlane-drain")
+
+    async def _drain_then_exit(self) -> None:
+        try:
+            await drain(self._context)
+        finally:
+            self.should_exit = True
+
+
+def uvicorn_config(context: ServingContext, *, access_log: bool = True, log_level: str = "info") -> uvicorn.Config:
+    settings = context.settings
+    return uvicorn.Config(create_app(context), host=settings.host, port=settings.port, lifespan="on",
+                          access_log=access_log, log_level=log_level, timeout_graceful_shutdown=CLOSE_TIMEOUT_S)
+
+
+def add_serve_command(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = subparsers.add_parser("serve", help="serve the OpenAI-compatible API over HTTP")
+    add_model_flags(parser)
+    parser.add_argument("--host", help="address to listen on (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, help="port to listen on (default 8000; 0 picks a free one)")
+    parser.add_argument("--served-model-name", help="the model name clients use (default: the --model spec)")
+    parser.add_argument("--shutdown-grace-s", type=float, help="seconds running requests get on SIGTERM")
+    parser.add_argument("--max-body-bytes", type=int, help="larger request bodies get 413")
+    parser.add_argument("--default-max-tokens", type=int, help="max_tokens when a request gives none")
+    parser.set_defaults(handler=run_serve)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from app.engine_factory import build_engine  # imports torch: only when actually serving
+
+    settings = settings_from_args(args, SERVE_FLAG_KEYS)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    engine, runner = build_engine(settings)
+    context = ServingContext(settings, engine, runner.loaded.tokenizer)
+    DrainingServer(uvicorn_config(context), context).run()
+    return 0

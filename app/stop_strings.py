@@ -1,0 +1,58 @@
+"""Stop strings honoured across token (and delta) boundaries.
+
+A stop string can arrive split over several deltas ("\\n\\nUs" then "er:"), so text that could be
+the start of a stop string is held back until the next delta tells whether it is one. The client
+never sees any part of the stop string, nor anything after it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(slots=True, frozen=True)
+class Matched:
+    """The result of feeding text: what may be sent now, and whether a stop string was met."""
+
+    text: str
+    is_stopped: bool
+
+
+class StopStringMatcher:
+    def __init__(self, stop_strings: Sequence[str]) -> None:
+        if any(not stop for stop in stop_strings):
+            raise ValueError("stop strings must not be empty")
+        self._stops = tuple(stop_strings)
+        self._held = ""  # a tail that may be the start of a stop string
+
+    def feed(self, text: str) -> Matched:
+        if not self._stops:
+            return Matched(text, False)
+        buffer = self._held + text
+        cut = self._earliest_stop(buffer)
+        if cut is not None:
+            self._held = ""
+            return Matched(buffer[:cut], True)
+        num_held = self._num_chars_to_hold(buffer)
+        self._held = buffer[len(buffer) - num_held:]
+        return Matched(buffer[:len(buffer) - num_held], False)
+
+    def flush(self) -> str:
+        """The held-back tail, once the output ended without meeting a stop string."""
+        held, self._held = self._held, ""
+        return held
+
+    def _earliest_stop(self, buffer: str) -> int | None:
+        found = [index for index in (buffer.find(stop) for stop in self._stops) if index >= 0]
+        return min(found) if found else None
+
+    def _num_chars_to_hold(self, buffer: str) -> int:
+        """The longest tail of buffer that is a proper prefix of some stop string."""
+        longest = 0
+        for stop in self._stops:
+            for size in range(min(len(stop) - 1, len(buffer)), longest, -1):
+                if buffer.endswith(stop[:size]):
+                    longest = size
+                    break
+        return longest

@@ -59,6 +59,8 @@ def from_validation_error(exc: ValidationError) -> APIError:
     errors = exc.errors(include_url=False)
     first = errors[0]
     location = ".".join(str(part) for part in first["loc"])
+    if first["type"] == "json_invalid":
+        return APIError(400, f"The request body is not valid JSON: {first['msg']}", code="invalid_json")
     if first["type"] == "extra_forbidden":
         message = f"Unrecognized request argument supplied: {location}"
     elif location:

@@ -46,6 +46,8 @@ RETRY_AFTER_S = "1"
 SHUTTING_DOWN = "The server is shutting down; retry on another replica or later."
 # Tokenizing a long prompt can take long enough to stall every stream; such prompts go to a thread.
 THREAD_TOKENIZE_CHARS = 16_384
+# Below this temperature sampling is greedy: logits / temperature would overflow float32 near 0.
+GREEDY_BELOW_TEMPERATURE = 1e-5
 # What a client that disconnects is "answered" (it is never seen): nginx's "client closed request".
 CLIENT_CLOSED_STATUS = 499
 
@@ -157,8 +159,10 @@ class OpenAIRoutes:
         return json_response(flavor.whole(envelope, result, generation.usage))
 
     def _engine_request(self, request_id: str, body: GenerationBody, prompt: list[int]) -> EngineRequest:
-        sampling = SamplingParams(temperature=1.0 if body.temperature is None else body.temperature,
-                                  top_p=1.0 if body.top_p is None else body.top_p, seed=body.seed)
+        temperature = 1.0 if body.temperature is None else body.temperature
+        if temperature < GREEDY_BELOW_TEMPERATURE:
+            temperature = 0.0
+        sampling = SamplingParams(temperature, top_p=1.0 if body.top_p is None else body.top_p, seed=body.seed)
         return EngineRequest(RequestId(request_id), prompt, self._max_tokens(body, len(prompt)), sampling,
                              stop_token_ids=frozenset() if body.ignore_eos else self.context.tokenizer.eos_token_ids,
                              priority=PriorityClass.BATCH if body.is_batch_class else PriorityClass.INTERACTIVE)

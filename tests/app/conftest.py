@@ -1,0 +1,144 @@
+"""Real servers for the HTTP tests: uvicorn on a loopback port, in a background thread.
+
+Two kinds: the `builtin:tiny` model with a small KV budget (what the openai client, disconnect and
+overload tests talk to), and the instant executor with a byte tokenizer, whose output is a known
+script (framing, stop strings, UTF-8, validation fuzzing) at no model cost.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from app.context import ServingContext
+from app.engine_factory import build_runner, scheduler_config_of
+from app.server import DrainingServer, uvicorn_config
+from config.settings import Settings, load_settings
+from gpu.models import LoadedModel
+from gpu.tokenizer import ByteTokenizer, Tokenizer
+from loadtest.instant_executor import InstantExecutor, instant_geometry
+from scheduling.engine import Engine, RequestStream
+from scheduling.executor import Executor
+from scheduling.request import Request
+from scheduling.scheduler import Scheduler
+
+MiB = 1024 * 1024
+TINY = "builtin:tiny"
+INSTANT = "instant"
+# Small on purpose: 64 blocks of 16 tokens for builtin:tiny, so KV accounting is easy to watch.
+TINY_SETTINGS: dict[str, Any] = {"model": TINY, "device": "cpu", "kv_cache_bytes": 4 * MiB,
+                                 "swap_space_bytes": 1 * MiB, "shutdown_grace_s": 2.0, "port": 0}
+INSTANT_SETTINGS: dict[str, Any] = {"model": INSTANT, "kv_cache_bytes": 1 * MiB, "block_size": 16,
+                                    "max_body_bytes": 64 * 1024, "shutdown_grace_s": 2.0, "port": 0}
+
+
+def wait_for(predicate: Callable[[], bool], *, timeout: float = 10.0, interval: float = 0.01,
+             what: str = "the condition") -> None:
+    """Poll until predicate holds; fail after timeout seconds."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(interval)
+
+
+class RecordingEngine(Engine):
+    """An engine that keeps every request it was given, so tests can see what the API built."""
+
+    def __init__(self, scheduler: Scheduler, executor: Executor, *, max_queued_requests: int = 1024) -> None:
+        super().__init__(scheduler, executor, max_queued_requests=max_queued_requests)
+        self.submitted: list[Request] = []
+
+    def submit(self, request: Request) -> RequestStream:
+        self.submitted.append(request)
+        return super().submit(request)
+
+
+class ServerThread:
+    """A DrainingServer on 127.0.0.1, an OS-chosen port, its own event loop in a thread."""
+
+    def __init__(self, context: ServingContext) -> None:
+        self.context = context
+        self.server = DrainingServer(uvicorn_config(context, access_log=False, log_level="warning"), context)
+        self._thread = threading.Thread(target=self.server.run, name="test-uvicorn", daemon=True)
+        self.base_url = ""
+
+    @property
+    def engine(self) -> RecordingEngine:
+        assert isinstance(self.context.engine, RecordingEngine)
+        return self.context.engine
+
+    @property
+    def model_name(self) -> str:
+        return self.context.model_name
+
+    def start(self) -> ServerThread:
+        self._thread.start()
+        wait_for(lambda: self.server.started or not self._thread.is_alive(), timeout=30, what="uvicorn to start")
+        assert self.server.started, "uvicorn did not start"
+        port = self.server.servers[0].sockets[0].getsockname()[1]
+        self.base_url = f"http://127.0.0.1:{port}"
+        return self
+
+    def stop(self) -> None:
+        self.server.request_shutdown()
+        self._thread.join(timeout=30)
+        assert not self._thread.is_alive(), "uvicorn did not stop"
+
+    def stats(self) -> dict[str, Any]:
+        response = httpx.get(f"{self.base_url}/stats", timeout=10)
+        response.raise_for_status()
+        result: dict[str, Any] = response.json()
+        return result
+
+
+def tiny_context(loaded: LoadedModel, **overrides: Any) -> ServingContext:
+    settings = load_settings(environ={}, overrides={**TINY_SETTINGS, **overrides})
+    runner = build_runner(settings, loaded)
+    return _context(settings, runner, runner.loaded.tokenizer)
+
+
+def instant_context(**overrides: Any) -> ServingContext:
+    settings = load_settings(environ={}, overrides={**INSTANT_SETTINGS, **overrides})
+    return _context(settings, InstantExecutor(instant_geometry(settings, max_model_len=1024)), ByteTokenizer())
+
+
+def _context(settings: Settings, executor: Executor, tokenizer: Tokenizer) -> ServingContext:
+    scheduler = Scheduler(scheduler_config_of(settings), executor.geometry)
+    engine = RecordingEngine(scheduler, executor, max_queued_requests=settings.max_queued_requests)
+    return ServingContext(settings, engine, tokenizer)
+
+
+@pytest.fixture(scope="session")
+def tiny_server(tiny_model: LoadedModel) -> Iterator[ServerThread]:
+    """Shared by tests that only read their own responses (counters are cumulative)."""
+    server = ServerThread(tiny_context(tiny_model)).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def instant_server() -> Iterator[ServerThread]:
+    server = ServerThread(instant_context()).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def start_tiny_server(tiny_model: LoadedModel) -> Iterator[Callable[..., ServerThread]]:
+    """A fresh builtin:tiny server per call, settings overridden as given; all stopped at the end."""
+    started: list[ServerThread] = []
+
+    def start(**overrides: Any) -> ServerThread:
+        server = ServerThread(tiny_context(tiny_model, **overrides)).start()
+        started.append(server)
+        return server
+
+    yield start
+    for server in started:
+        server.stop()

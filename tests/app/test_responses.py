@@ -1,0 +1,46 @@
+"""The templated content chunk is byte-for-byte what encoding the whole object would give."""
+
+from __future__ import annotations
+
+import json
+
+import orjson
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from app.responses import ChatChunks, CompletionChunks, Envelope
+
+ENVELOPES = [Envelope("chatcmpl-1", 1700000000, "m", None), Envelope("x\"y", 1, "模型", "flex")]
+
+
+def decode(chunk: bytes) -> object:
+    assert chunk.startswith(b"data: ") and chunk.endswith(b"\n\n") and chunk.count(b"\n") == 2
+    return json.loads(chunk[len(b"data: "):])
+
+
+@pytest.mark.parametrize("envelope", ENVELOPES)
+@pytest.mark.parametrize("include_usage", [False, True])
+@given(text=st.text(min_size=1))
+def test_chat_content_chunk_matches_the_object(envelope: Envelope, include_usage: bool, text: str) -> None:
+    expected = {**envelope.fields("chat.completion.chunk"),
+                "choices": [{"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": None}]}
+    if include_usage:
+        expected["usage"] = None
+
+    chunk = ChatChunks(envelope, include_usage).content(text)
+
+    assert decode(chunk) == expected
+    assert chunk == b"data: " + orjson.dumps(expected) + b"\n\n"
+
+
+@pytest.mark.parametrize("envelope", ENVELOPES)
+@pytest.mark.parametrize("include_usage", [False, True])
+@given(text=st.text(min_size=1))
+def test_completion_content_chunk_matches_the_object(envelope: Envelope, include_usage: bool, text: str) -> None:
+    expected = {**envelope.fields("text_completion"),
+                "choices": [{"text": text, "index": 0, "logprobs": None, "finish_reason": None}]}
+    if include_usage:
+        expected["usage"] = None
+
+    assert CompletionChunks(envelope, include_usage).content(text) == b"data: " + orjson.dumps(expected) + b"\n\n"

@@ -1,0 +1,29 @@
+"""`fairlane serve` reads its settings like every command: a bad one stops it before anything loads."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from app.cli import build_parser, main
+
+
+def test_an_unknown_config_key_is_named_at_start_up(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = tmp_path / "fairlane.toml"
+    config.write_text('model = "builtin:tiny"\nmax_tokens_per_dream = 3\n')
+
+    assert main(["serve", "--config", str(config)]) == 2
+    assert "unknown setting 'max_tokens_per_dream'" in capsys.readouterr().err
+
+
+def test_serve_flags_reach_the_settings() -> None:
+    from app.cli import settings_from_args
+    from app.server import SERVE_FLAG_KEYS
+
+    args = build_parser().parse_args(["serve", "--model", "builtin:tiny", "--port", "0", "--max-num-seqs", "8",
+                                      "--shutdown-grace-s", "1.5", "--default-max-tokens", "32"])
+    settings = settings_from_args(args, SERVE_FLAG_KEYS)
+
+    assert (settings.model, settings.port, settings.max_num_seqs) == ("builtin:tiny", 0, 8)
+    assert (settings.shutdown_grace_s, settings.default_max_tokens) == (1.5, 32)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncGenerator, Sequence
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from app.detokenizer import IncrementalDetokenizer
@@ -44,8 +44,10 @@ class TextPiece:
 class TextGeneration:
     """Iterate `pieces()` once; `usage` is complete when it ends."""
 
-    def __init__(self, stream: RequestStream, tokenizer: Tokenizer, stop_strings: Sequence[str]) -> None:
+    def __init__(self, stream: RequestStream, tokenizer: Tokenizer, stop_strings: Sequence[str], *,
+                 coalesce: bool = True) -> None:
         self._stream = stream
+        self._coalesce = coalesce
         self._detokenizer = IncrementalDetokenizer(tokenizer, stream.request.prompt_token_ids)
         self._stops = StopStringMatcher(stop_strings)
         self.usage = Usage(prompt_tokens=stream.request.num_prompt_tokens)
@@ -53,6 +55,8 @@ class TextGeneration:
     async def pieces(self) -> AsyncGenerator[TextPiece, None]:
         try:
             async for event in self._stream:
+                if self._coalesce:
+                    event = merged(event, self._stream.take_ready())
                 piece = self._on_event(event)
                 if piece is None:
                     continue
@@ -83,6 +87,14 @@ class TextGeneration:
         if tail.is_stopped:
             return TextPiece(text + tail.text, "stop")
         return TextPiece(text + tail.text + self._stops.flush(), finish_reason)
+
+
+def merged(first: TokenEvent, later: Sequence[TokenEvent]) -> TokenEvent:
+    """Consecutive events of one request as one: all their tokens, the counts and end of the last."""
+    if not later:
+        return first
+    tokens = first.new_token_ids + tuple(token for event in later for token in event.new_token_ids)
+    return replace(later[-1], new_token_ids=tokens)
 
 
 async def collect(generation: TextGeneration) -> TextPiece:

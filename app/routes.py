@@ -145,7 +145,8 @@ class OpenAIRoutes:
                         ) -> Response:
         completion_id = flavor.id_prefix + uuid.uuid4().hex
         stream = self._submit(self._engine_request(completion_id, body, prompt), body, flavor)
-        generation = TextGeneration(stream, self.context.tokenizer, body.stop_strings)
+        generation = TextGeneration(stream, self.context.tokenizer, body.stop_strings,
+                                    coalesce=self.context.settings.stream_coalesce)
         envelope = Envelope(completion_id, int(time.time()), self.context.model_name, body.service_tier)
         if body.is_stream:
             chunks = flavor.chunks(envelope, body.include_usage)

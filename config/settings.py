@@ -58,6 +58,7 @@ class Settings(BaseModel):
     shutdown_grace_s: float = Field(default=10.0, ge=0)
     served_model_name: str | None = None
     default_max_tokens: int = Field(default=256, ge=1)  # when a request gives none (capped by the context left)
+    stream_coalesce: bool = True  # a stream that fell behind sends its pending tokens as one SSE event
 
     @model_validator(mode="after")
     def _check_budgets(self) -> Settings:

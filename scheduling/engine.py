@@ -59,6 +59,15 @@ class RequestStream:
             self.is_finished = event.is_final
             yield event
 
+    def take_ready(self) -> list[TokenEvent]:
+        """The events already queued, without waiting: a reader that fell behind can send them as one."""
+        ready: list[TokenEvent] = []
+        while not self.is_finished and not self._events.empty():
+            event = self._events.get_nowait()
+            self.is_finished = event.is_final
+            ready.append(event)
+        return ready
+
     def close(self, status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
         """Stop the request unless it already ended (a client gone, or a stop string met)."""
         if not self.is_finished:

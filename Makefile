@@ -1,5 +1,6 @@
 # Two entry points: `make serve` (the server on the default model) and `make test` (the whole suite).
 # Both create .venv and install what they need; torch is pinned first so pip takes the local build.
+# The dashboard tests drive the system's chromium (Debian's package) through playwright.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -8,6 +9,7 @@ STAMP := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
 .PHONY: install serve test lint bench
 
 $(STAMP): pyproject.toml
+	command -v chromium >/dev/null || (apt-get update && apt-get install -y chromium)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q torch==2.13.0

@@ -26,6 +26,7 @@ from app.asgi import ClientGone, RequestIdMiddleware
 from app.cli import add_model_flags, settings_from_args
 from app.context import ServingContext
 from app.errors import APIError, api_error_handler, http_exception_handler, unexpected_error_handler
+from app.observability import Observability
 from app.routes import CLIENT_CLOSED_STATUS, SHUTTING_DOWN, OpenAIRoutes
 
 logger = logging.getLogger(__name__)
@@ -51,8 +52,10 @@ def create_app(context: ServingContext) -> ASGIApp:
         finally:
             await context.engine.shutdown(SHUTTING_DOWN)
 
-    app = Starlette(routes=OpenAIRoutes(context).routes(), lifespan=lifespan, exception_handlers={
-        APIError: api_error_handler,
+    observability = Observability.attach(context.engine, is_draining=lambda: context.is_draining)
+    routes = [*OpenAIRoutes(context).routes(), *observability.routes()]
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={
+        APIError: observability.count_rejections(api_error_handler),
         HTTPException: http_exception_handler,
         ClientGone: _client_gone_handler,
         Exception: unexpected_error_handler,

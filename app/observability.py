@@ -1,0 +1,73 @@
+"""What an operator sees of a running server: /metrics, /dashboard, and the request log.
+
+`Observability.attach(engine)` registers the metrics observer on the engine and gives the routes
+to add to the app. Requests the HTTP layer turns away are counted by wrapping its APIError handler
+(`count_rejections`), or reported directly with `record_rejection`. The tenant of a rejection is
+`request.state.tenant_id` when authentication set one, the default tenant on a server without
+authentication, else "unknown".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from app.dashboard import DashboardFeed
+from app.errors import APIError
+from app.metrics import RejectionReason, ServingMetrics, rejection_reason
+from scheduling.engine import Engine
+from tenancy.tenants import DEFAULT_TENANT, TenantRegistry
+
+ErrorHandler = Callable[[Request, Exception], Awaitable[Response]]
+
+
+class Observability:
+    def __init__(self, metrics: ServingMetrics, dashboard: DashboardFeed, tenants: TenantRegistry) -> None:
+        self.metrics = metrics
+        self.dashboard = dashboard
+        self._tenants = tenants
+
+    @classmethod
+    def attach(cls, engine: Engine, *, tenants: TenantRegistry | None = None,
+               is_draining: Callable[[], bool] = lambda: False, dashboard_interval_s: float = 1.0
+               ) -> Observability:
+        """Metrics for this engine (tenant labels from `tenants`, by default the scheduler's), its
+        observer appended to `engine.observers`."""
+        tenants = tenants if tenants is not None else engine.scheduler.tenants
+        metrics = ServingMetrics(engine.scheduler, tenants)
+        engine.observers.append(metrics.observer)
+        dashboard = DashboardFeed(engine.scheduler, metrics, interval_s=dashboard_interval_s,
+                                  is_draining=is_draining)
+        return cls(metrics, dashboard, tenants)
+
+    def routes(self) -> list[Route]:
+        return [Route("/metrics", self.prometheus, methods=["GET"]), *self.dashboard.routes()]
+
+    def record_rejection(self, reason: RejectionReason, tenant_id: str | None = None) -> None:
+        self.metrics.record_rejection(reason, tenant_id)
+
+    def count_rejections(self, handler: ErrorHandler) -> ErrorHandler:
+        """The APIError handler, counting each answer that turns a request away."""
+
+        async def counting_handler(request: Request, exc: Exception) -> Response:
+            if isinstance(exc, APIError):
+                reason = rejection_reason(exc.status, exc.code)
+                if reason is not None:
+                    self.record_rejection(reason, self._tenant_of(request))
+            return await handler(request, exc)
+
+        return counting_handler
+
+    def _tenant_of(self, request: Request) -> str | None:
+        tenant_id = getattr(request.state, "tenant_id", None)
+        if isinstance(tenant_id, str):
+            return tenant_id
+        return None if self._tenants.requires_auth else DEFAULT_TENANT
+
+    async def prometheus(self, request: Request) -> Response:
+        # Rendered on the event loop, between engine steps, so it reads a consistent scheduler.
+        return Response(self.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)

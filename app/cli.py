@@ -1,4 +1,4 @@
-"""The `fairlane` command: serve, generate, bench."""
+"""The `fairlane` command: serve, generate, bench, tenants."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import sys
 import uuid
 from collections.abc import Callable, Sequence
 
+from app.tenants_cli import add_tenants_command
 from config.settings import Settings, SettingsError, load_settings
 
 SubcommandRegistrar = Callable[["argparse._SubParsersAction[argparse.ArgumentParser]"], None]
@@ -86,7 +87,7 @@ def _add_serve(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fairlane", description="A multi-tenant LLM serving server.")
     subparsers = parser.add_subparsers(dest="command", required=True)
-    for register in (_add_serve, _add_generate, _add_bench):
+    for register in (_add_serve, _add_generate, _add_bench, add_tenants_command):
         register(subparsers)
     return parser
 

@@ -9,7 +9,8 @@ def add_bench_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentP
     """Each benchmark module adds its own parser; a missing one is simply not offered yet."""
     import importlib
 
-    for module_name in ("loadtest.bench_engine", "loadtest.bench_stream", "loadtest.bench_prefix"):
+    for module_name in ("loadtest.bench_engine", "loadtest.bench_stream", "loadtest.bench_prefix",
+                        "loadtest.bench_fairness"):
         try:
             module = importlib.import_module(module_name)
         except ModuleNotFoundError as exc:

@@ -60,7 +60,9 @@ class VTCQueue:
     """FIFO per tenant; across tenants, the smallest virtual token counter goes first.
 
     A lazy min-heap of (counter, tiebreak, tenant): counters only grow, so an entry whose counter is
-    out of date is refreshed when it reaches the top. Selection is O(log tenants) amortized.
+    out of date is refreshed when it reaches the top. Selection is O(log tenants) amortized. A tenant
+    has at most one entry: an emptied line leaves its entry behind, and a refill reuses it rather than
+    pushing another (entries would otherwise pile up, one per refill, and every peek would walk them).
     """
 
     def __init__(self, counter: VirtualTokenCounter) -> None:
@@ -69,15 +71,18 @@ class VTCQueue:
         self._heap: list[tuple[float, int, str]] = []
         self._tiebreak = itertools.count()
         self._size = 0
+        self._in_heap: set[str] = set()  # tenants with an entry in the heap
 
     def _push(self, tenant_id: str) -> None:
         heapq.heappush(self._heap, (self._counter.get(tenant_id), next(self._tiebreak), tenant_id))
+        self._in_heap.add(tenant_id)
 
     def _line(self, request: Request) -> deque[Request]:
         line = self._per_tenant.get(request.tenant_id)
         if line is None:
             line = self._per_tenant[request.tenant_id] = deque()
-            self._push(request.tenant_id)
+            if request.tenant_id not in self._in_heap:
+                self._push(request.tenant_id)
         return line
 
     def add(self, request: Request) -> None:
@@ -96,6 +101,7 @@ class VTCQueue:
             line = self._per_tenant.get(tenant_id)
             if not line:
                 heapq.heappop(self._heap)  # the tenant's line emptied since
+                self._in_heap.discard(tenant_id)
             elif counter != self._counter.get(tenant_id):
                 heapq.heapreplace(self._heap, (self._counter.get(tenant_id), next(self._tiebreak), tenant_id))
             elif tenant_id in exclude:

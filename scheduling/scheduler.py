@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 from gpu.plan import CacheGeometry, ScheduledSequence, StepPlan, StepResult
@@ -239,27 +239,38 @@ class Scheduler:
         return True
 
     def _at_tenant_limit(self, request: Request, num_new: int) -> bool:
-        tenant = self.tenants.get(request.tenant_id)
-        limit = tenant.limits.max_concurrent
-        if limit is not None and sum(r.tenant_id == tenant.tenant_id for r in self.running) >= limit:
-            return True
-        return self._over_kv_share(request, num_new)
+        return self._at_max_concurrent(request.tenant_id) or self._over_kv_share(request, num_new)
+
+    def _at_max_concurrent(self, tenant_id: str) -> bool:
+        limit = self.tenants.get(tenant_id).limits.max_concurrent
+        return limit is not None and sum(r.tenant_id == tenant_id for r in self.running) >= limit
+
+    def _tenants_waiting(self) -> Iterator[str]:
+        """Each tenant with a waiting request, once, lazily."""
+        seen: set[str] = set()
+        for request in (r for queue in self.waiting.values() for r in queue):
+            if request.tenant_id not in seen:
+                seen.add(request.tenant_id)
+                yield request.tenant_id
 
     def _over_kv_share(self, request: Request, num_new: int) -> bool:
         """The KV share rule: while another tenant has a request waiting, a tenant is not admitted
         past its weighted share of device blocks, total * w / (sum of w of tenants with unfinished
-        requests). Running requests are not cut back; the rule acts at admission."""
+        requests). Running requests are not cut back; the rule acts at admission. A tenant holding no
+        blocks may always start one request: one larger than the share would otherwise wait for as
+        long as another tenant kept a request waiting. Another tenant's waiting request counts only
+        if it could be admitted now (its tenant is below max_concurrent); else memory would sit idle."""
         if not self.config.kv_share_limit:
             return False
         active = {t for (_, t), n in self._unfinished.items() if n > 0}
-        others_waiting = any(
-            r.tenant_id != request.tenant_id for q in self.waiting.values() for r in q)
+        others_waiting = any(t != request.tenant_id and not self._at_max_concurrent(t)
+                             for t in self._tenants_waiting())
         if not others_waiting or len(active) < 2:
             return False
         total_weight = sum(self.tenants.weight(t) for t in active)
         share = self.geometry.num_device_blocks * self.tenants.weight(request.tenant_id) / total_weight
         held = sum(len(r.block_ids) for r in self.running if r.tenant_id == request.tenant_id)
-        return held + self.blocks.blocks_needed(request, num_new) > share
+        return held > 0 and held + self.blocks.blocks_needed(request, num_new) > share
 
     def _preempt(self, victim: Request, plan: StepPlan, for_class: PriorityClass) -> None:
         """Swap the victim's KV to the CPU pool; if the pool is full (or swap is off), recompute."""

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import math
+import re
 import secrets
 import tomllib
 from collections.abc import Iterable, Mapping
@@ -137,8 +139,8 @@ def parse_tenant(index: int, data: Any) -> Tenant:
         raise TenantsFileError(f"{entry}: 'id' must be a non-empty string")
     entry = f"tenants[{index}] (id '{tenant_id}')"
     weight = data.get("weight", 1.0)
-    if isinstance(weight, bool) or not isinstance(weight, int | float) or weight <= 0:
-        raise TenantsFileError(f"{entry}: 'weight' must be a number > 0, got {weight!r}")
+    if isinstance(weight, bool) or not isinstance(weight, int | float) or not math.isfinite(weight) or weight <= 0:
+        raise TenantsFileError(f"{entry}: 'weight' must be a finite number > 0, got {weight!r}")
     cache_group = data.get("cache_group")
     if cache_group is not None and (not isinstance(cache_group, str) or not cache_group):
         raise TenantsFileError(f"{entry}: 'cache_group' must be a non-empty string")
@@ -169,16 +171,21 @@ def load_tenants(path: str | Path) -> TenantRegistry:
     return TenantRegistry(tenants, requires_auth=True)
 
 
+NEW_TENANT_ID = re.compile(r"[A-Za-z0-9._-]{1,64}")  # written into TOML unescaped, so kept plain
+
+
 def append_tenant(path: str | Path, tenant_id: str, weight: float) -> str:
     """Add a tenant with a fresh key to the file (created if missing); returns the key, stored only hashed."""
+    if not NEW_TENANT_ID.fullmatch(tenant_id):
+        raise TenantsFileError(f"tenant id {tenant_id!r} must be 1-64 letters, digits, '.', '_' or '-'")
+    if not math.isfinite(weight) or weight <= 0:
+        raise TenantsFileError("weight must be a finite number > 0")
     key = new_api_key()
     file = Path(path)
     if file.exists():
         existing = load_tenants(file)
         if any(t.tenant_id == tenant_id for t in existing):
             raise TenantsFileError(f"tenant '{tenant_id}' already exists in {path}")
-    if weight <= 0:
-        raise TenantsFileError("weight must be > 0")
     block = (f'\n[[tenants]]\nid = "{tenant_id}"\nweight = {float(weight)}\n'
              f'api_key_hashes = ["{hash_api_key(key)}"]\n')
     with open(file, "a", encoding="utf-8") as handle:

@@ -42,7 +42,11 @@ class VirtualTokenCounter:
             self._counters[tenant_id] = self.get(tenant_id) + cost / self._tenant_weight(tenant_id)
 
     def lift(self, tenant_id: str, backlogged: Iterable[str]) -> None:
-        """Called when tenant_id becomes backlogged: raise it to the smallest backlogged counter."""
+        """Called when tenant_id becomes backlogged: raise it to the smallest backlogged counter.
+        With nobody else backlogged, raise it to the largest counter instead (how far service has got):
+        otherwise a quiet moment would let a long-idle tenant keep its low counter and crowd out the
+        tenants that arrive after it until it caught up."""
         others = [self.get(t) for t in backlogged if t != tenant_id]
-        if others:
-            self._counters[tenant_id] = max(self.get(tenant_id), min(others))
+        floor = min(others) if others else max(self._counters.values(), default=0.0)
+        if floor > self.get(tenant_id):
+            self._counters[tenant_id] = floor

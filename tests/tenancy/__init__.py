@@ -1,0 +1,1 @@
+"""Tests of tenants, weighted fair queues and the fairness of the scheduler."""

@@ -1,0 +1,1 @@
+"""fairlane test suite."""

@@ -1,0 +1,98 @@
+"""load_settings: defaults < TOML < FAIRLANE_* environment < overrides, and errors that name the key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pydantic
+import pytest
+
+from config.settings import Settings, SettingsError, load_settings
+
+
+def write_toml(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "fairlane.toml"
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def test_defaults_without_any_source() -> None:
+    assert load_settings(environ={}) == Settings()
+
+
+def test_each_source_overrides_the_one_below(tmp_path: Path) -> None:
+    config = write_toml(tmp_path, 'model = "builtin:small"\nport = 9000\nblock_size = 32\nmax_num_seqs = 8\n')
+    environ = {"FAIRLANE_PORT": "9001", "FAIRLANE_BLOCK_SIZE": "8", "UNRELATED": "x"}
+    settings = load_settings(config, environ=environ, overrides={"block_size": 4})
+    assert settings.model == "builtin:small"  # TOML only
+    assert settings.max_num_seqs == 8  # TOML only
+    assert settings.port == 9001  # environment over TOML
+    assert settings.block_size == 4  # override over environment and TOML
+    assert settings.host == Settings().host  # nobody set it: the default
+
+
+def test_an_override_of_none_leaves_the_lower_source(tmp_path: Path) -> None:
+    settings = load_settings(environ={"FAIRLANE_PORT": "9001"}, overrides={"port": None, "model": None})
+    assert settings.port == 9001
+    assert settings.model == Settings().model
+
+
+def test_process_environment_is_read_when_none_is_given(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FAIRLANE_MAX_NUM_SEQS", "3")
+    assert load_settings().max_num_seqs == 3
+
+
+def test_environment_none_means_unset_optional() -> None:
+    settings = load_settings(environ={"FAIRLANE_MAX_MODEL_LEN": "none", "FAIRLANE_SERVED_MODEL_NAME": "null"})
+    assert settings.max_model_len is None and settings.served_model_name is None
+
+
+def test_unknown_toml_key_is_named(tmp_path: Path) -> None:
+    config = write_toml(tmp_path, "port = 9000\nmax_batch_tokens = 64\n")
+    with pytest.raises(SettingsError, match="unknown setting 'max_batch_tokens'"):
+        load_settings(config, environ={})
+
+
+def test_unknown_environment_key_is_named() -> None:
+    with pytest.raises(SettingsError, match="unknown setting 'kv_cache_size'"):
+        load_settings(environ={"FAIRLANE_KV_CACHE_SIZE": "1000"})
+
+
+def test_unknown_override_is_named() -> None:
+    with pytest.raises(SettingsError, match="unknown setting 'colour'"):
+        load_settings(environ={}, overrides={"colour": "blue"})
+
+
+@pytest.mark.parametrize(("environ", "key"), [
+    ({"FAIRLANE_PORT": "eighty"}, "port"),
+    ({"FAIRLANE_PORT": "70000"}, "port"),
+    ({"FAIRLANE_BLOCK_SIZE": "0"}, "block_size"),
+    ({"FAIRLANE_DEVICE": "tpu"}, "device"),
+])
+def test_invalid_environment_value_is_named(environ: dict[str, str], key: str) -> None:
+    with pytest.raises(SettingsError, match=f"setting '{key}'"):
+        load_settings(environ=environ)
+
+
+def test_invalid_toml_value_is_named(tmp_path: Path) -> None:
+    config = write_toml(tmp_path, 'max_num_seqs = "many"\n')
+    with pytest.raises(SettingsError, match="setting 'max_num_seqs'"):
+        load_settings(config, environ={})
+
+
+def test_budget_smaller_than_the_sequence_cap_is_refused() -> None:
+    with pytest.raises(SettingsError, match="max_num_batched_tokens must be >= max_num_seqs"):
+        load_settings(environ={}, overrides={"max_num_seqs": 64, "max_num_batched_tokens": 32})
+
+
+def test_missing_or_malformed_file_is_a_settings_error(tmp_path: Path) -> None:
+    with pytest.raises(SettingsError, match="not found"):
+        load_settings(tmp_path / "absent.toml", environ={})
+    with pytest.raises(SettingsError, match="not valid TOML"):
+        load_settings(write_toml(tmp_path, "port = = 1\n"), environ={})
+
+
+def test_settings_are_frozen() -> None:
+    settings = load_settings(environ={})
+    with pytest.raises(pydantic.ValidationError):
+        settings.port = 1  # type: ignore[misc]

@@ -1,0 +1,41 @@
+"""Session fixtures: the models are loaded once and shared by every test that needs them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from gpu.models import LoadedModel, build_builtin, load_model
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+# The test models are small: extra intra-op threads buy little and, next to the engine's worker
+# thread, the event loop and any server a test starts, their spin-waits cost far more than they give.
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def model_cache_dir() -> Path:
+    """Where converted checkpoints live: the repo's own cache, so a conversion happens once per machine."""
+    path = REPO_ROOT / "data" / "models"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> LoadedModel:
+    """builtin:tiny as the runner gets it. Runners switch its attention to the paged path, so it is
+    never used as a reference."""
+    return load_model("builtin:tiny", device="cpu", dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def tiny_reference() -> Any:
+    """The same weights in a separate instance with transformers' own attention; EOS is not special,
+    so generate runs to max_new_tokens like the engine does with no stop tokens."""
+    model = build_builtin("tiny", seed=0).to(device="cpu", dtype=torch.float32)
+    model.generation_config.eos_token_id = None
+    return model

@@ -1,0 +1,1 @@
+"""Tests of the model runner, attention, sampler and models against Hugging Face."""

@@ -1,0 +1,1 @@
+"""Tests of the scheduler, block accounting and engine loop."""

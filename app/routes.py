@@ -110,7 +110,11 @@ class OpenAIRoutes:
         body = await self._parse(request, ChatCompletionBody)
         messages = [{"role": message.role, "content": message.text} for message in body.messages]
         num_chars = sum(len(message["content"]) for message in messages)
-        prompt = await self._tokenize(self.context.tokenizer.encode_chat, messages, num_chars)
+        try:
+            prompt = await self._tokenize(self.context.tokenizer.encode_chat, messages, num_chars)
+        except Exception as exc:  # chat templates raise what they like (e.g. roles that must alternate)
+            raise APIError(400, f"The model's chat template cannot render these messages: {exc}",
+                           param="messages") from None
         return await self._generate(request, body, prompt, CHAT)
 
     async def completions(self, request: Request) -> Response:
@@ -143,6 +147,8 @@ class OpenAIRoutes:
 
     async def _generate(self, request: Request, body: GenerationBody, prompt: list[int], flavor: Flavor
                         ) -> Response:
+        if not prompt:
+            raise APIError(400, "The prompt is empty once tokenized.", param=flavor.prompt_param)
         completion_id = flavor.id_prefix + uuid.uuid4().hex
         stream = self._submit(self._engine_request(completion_id, body, prompt), body, flavor)
         generation = TextGeneration(stream, self.context.tokenizer, body.stop_strings,

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
+from itertools import pairwise
 from typing import Any
 
 import httpx
 import pytest
 
-from tests.app.conftest import ServerThread
+from gpu.tokenizer import ByteTokenizer, ChatMessage
+from tests.app.conftest import ServerThread, instant_context
 
 
 @pytest.fixture
@@ -149,3 +151,27 @@ def test_overload_is_503_with_retry_after(start_tiny_server: Callable[..., Serve
             refused = http.post("/v1/completions", json=body)
         assert_error(refused, 503, code="server_overloaded")
         assert refused.headers["retry-after"] == "1"
+
+
+class AlternatingRolesTokenizer(ByteTokenizer):
+    """A chat template like many real ones: it raises unless user and assistant alternate."""
+
+    def encode_chat(self, messages: Sequence[ChatMessage]) -> list[int]:
+        roles = [message["role"] for message in messages]
+        if any(a == b for a, b in pairwise(roles)):
+            raise ValueError("Conversation roles must alternate user/assistant/user/assistant/...")
+        return super().encode_chat(messages)
+
+
+def test_a_chat_template_that_refuses_the_messages_is_400() -> None:
+    context = instant_context()
+    context.tokenizer = AlternatingRolesTokenizer()
+    server = ServerThread(context).start()
+    messages = [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]
+    try:
+        response = httpx.post(f"{server.base_url}/v1/chat/completions", timeout=10,
+                              json={"model": server.model_name, "messages": messages})
+    finally:
+        server.stop()
+
+    assert_error(response, 400, param="messages", says="roles must alternate")

@@ -105,3 +105,12 @@ def test_client_errors_surface_as_openai_exceptions(client: openai.OpenAI, tiny_
 
     assert not_found.value.code == "model_not_found"
     assert bad_request.value.param == "temperature"
+
+
+def test_a_near_zero_temperature_decodes_greedily(client: openai.OpenAI, tiny_server: ServerThread) -> None:
+    def answer(temperature: float) -> str | None:
+        result = client.completions.create(model=tiny_server.model_name, prompt="Tell me", max_tokens=8,
+                                           temperature=temperature, extra_body={"ignore_eos": True})
+        return result.choices[0].text
+
+    assert answer(1e-30) == answer(0.0)  # 1/temperature would overflow the logits: greedy instead

@@ -28,6 +28,8 @@ def scheduler_config_of(settings: Settings) -> SchedulerConfig:
     return SchedulerConfig(max_num_seqs=settings.max_num_seqs,
                            max_num_batched_tokens=settings.max_num_batched_tokens,
                            queue_policy=settings.queue_policy,
+                           preemption_mode=settings.preemption_mode,
+                           batch_min_share=settings.batch_min_share,
                            service_weights=weights,
                            enable_prefix_caching=settings.enable_prefix_caching)
 

@@ -44,6 +44,10 @@ class Settings(BaseModel):
     max_num_seqs: int = Field(default=64, ge=1)
     max_num_batched_tokens: int = Field(default=512, ge=1)
     max_queued_requests: int = Field(default=1024, ge=1)
+    # swap: a preempted batch request's KV goes to the CPU pool (recompute when it is full);
+    # recompute: its KV is dropped and rebuilt on resume.
+    preemption_mode: Literal["swap", "recompute"] = "swap"
+    batch_min_share: float = Field(default=0.0, ge=0.0, le=1.0)  # of each step's tokens, kept for batch work
     enable_prefix_caching: bool = True
     queue_policy: Literal["vtc", "fcfs"] = "vtc"
     vtc_prompt_weight: float = Field(default=1.0, gt=0)  # w_p, per prompt token computed

@@ -115,10 +115,13 @@ class Scheduler:
         plan = StepPlan(finished_request_ids=self._finished_ids)
         self._finished_ids = []
         budget = [self.config.max_num_batched_tokens]
-        preempted = self._make_room_for_interactive(plan, budget[0])
-        preempted |= self._schedule_running(plan, budget)
-        if not preempted:  # bringing work in right after pushing work out would only thrash
-            self._resume_and_admit(plan, budget)
+        made_room = self._make_room_for_interactive(plan, budget[0])
+        if self._schedule_running(plan, budget):
+            return plan  # bringing work in right after pushing work out would only thrash
+        # Room made for interactive requests is theirs in this very plan (the runner swaps out before
+        # the forward); batch work waits for the next step. What must stay true: every swap-out of a
+        # plan is decided before any swap-in, so no CPU block is freed and reused within one plan.
+        self._resume_and_admit(plan, budget, (PriorityClass.INTERACTIVE,) if made_room else CLASSES)
         return plan
 
     def _batch_reserve(self) -> int:
@@ -176,8 +179,8 @@ class Scheduler:
                 self._add_to_plan(plan, request, num_new, budget)
         return preempted
 
-    def _resume_and_admit(self, plan: StepPlan, budget: list[int]) -> None:
-        for priority in CLASSES:
+    def _resume_and_admit(self, plan: StepPlan, budget: list[int], classes: Iterable[PriorityClass]) -> None:
+        for priority in classes:
             if not self._resume_swapped(plan, budget, priority):
                 return
             if not self._admit_waiting(plan, budget, priority):

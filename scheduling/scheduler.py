@@ -115,8 +115,8 @@ class Scheduler:
         plan = StepPlan(finished_request_ids=self._finished_ids)
         self._finished_ids = []
         budget = [self.config.max_num_batched_tokens]
-        made_room = self._make_room_for_interactive(plan, budget[0])
-        if self._schedule_running(plan, budget):
+        made_room, interactive_demand = self._make_room_for_interactive(plan, budget[0])
+        if self._schedule_running(plan, budget, interactive_demand):
             return plan  # bringing work in right after pushing work out would only thrash
         # Room made for interactive requests is theirs in this very plan (the runner swaps out before
         # the forward); batch work waits for the next step. What must stay true: every swap-out of a
@@ -129,18 +129,23 @@ class Scheduler:
             self.waiting[PriorityClass.BATCH]) or any(r.priority is PriorityClass.BATCH for r in self.swapped)
         return int(self.config.batch_min_share * self.config.max_num_batched_tokens) if has_batch else 0
 
-    def _make_room_for_interactive(self, plan: StepPlan, budget: int) -> bool:
+    def _make_room_for_interactive(self, plan: StepPlan, budget: int) -> tuple[bool, int]:
         """Preempt running batch requests until the interactive requests that fit this step's
-        budget have the blocks and slots they need."""
-        blocks_needed, slots_needed = 0, 0
+        budget have the blocks and slots they need. Returns whether any was preempted, and the
+        tokens those interactive requests will take (running batch work leaves them free).
+        Requests their tenant's limits hold back are not counted: making room for them would only
+        swap batch work out and back in."""
+        blocks_needed, slots_needed, demand = 0, 0, 0
         for request in self._waiting_interactive_in_order():
-            if budget <= 0:
+            if demand >= budget:
                 break
-            take = min(request.num_uncomputed_tokens, budget)
+            take = min(request.num_uncomputed_tokens, budget - demand)
+            if request.status is RequestStatus.WAITING and self._at_tenant_limit(request, take):
+                continue
             blocks_needed += self.blocks.blocks_needed(request, take) if not request.cpu_block_ids else len(
                 request.cpu_block_ids) + 1
             slots_needed += 1
-            budget -= take
+            demand += take
         preempted = False
         while slots_needed and (blocks_needed > self.blocks.device.num_free
                                 or len(self.running) + slots_needed > self.config.max_num_seqs):
@@ -150,20 +155,24 @@ class Scheduler:
                 break
             self._preempt(victim, plan, PriorityClass.INTERACTIVE)
             preempted = True
-        return preempted
+        return preempted, demand
 
     def _waiting_interactive_in_order(self) -> Iterable[Request]:
         yield from (r for r in self.swapped if r.priority is PriorityClass.INTERACTIVE)
         yield from self.waiting[PriorityClass.INTERACTIVE]
 
-    def _schedule_running(self, plan: StepPlan, budget: list[int]) -> bool:
-        """Interactive before batch, decodes before prefill chunks. Returns whether any was preempted."""
+    def _schedule_running(self, plan: StepPlan, budget: list[int], interactive_demand: int = 0) -> bool:
+        """Interactive before batch, decodes before prefill chunks. Running batch work leaves
+        `interactive_demand` tokens for waiting interactive requests (less its batch_min_share).
+        Returns whether any was preempted."""
         pending = deque(sorted(self.running, key=lambda r: (r.priority.rank, r.num_uncomputed_tokens > 1)))
         reserve = self._batch_reserve()
+        held_for_interactive = min(interactive_demand, self.config.max_num_batched_tokens - reserve)
         preempted = False
         while pending:
             request = pending.popleft()
-            cap = budget[0] - (reserve if request.priority is PriorityClass.INTERACTIVE else 0)
+            is_interactive = request.priority is PriorityClass.INTERACTIVE
+            cap = budget[0] - (reserve if is_interactive else held_for_interactive)
             num_new = min(request.num_uncomputed_tokens, cap)
             if num_new <= 0:
                 continue

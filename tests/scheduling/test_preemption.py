@@ -170,7 +170,9 @@ async def test_preempted_batch_output_is_token_identical(tiny_model: LoadedModel
     engine, _ = build_engine(tiny_model, num_blocks=14, num_cpu_blocks=num_cpu_blocks, preemption_mode=mode)
     async with running(engine):
         batch = [submit(engine, spec) for spec in BATCH_SPECS]
-        await wait_for_decoding([request for request, _ in batch], 4)
+        # Far enough into decoding that the batch requests hold 12 of the 14 blocks: the interactive
+        # arrivals cannot start without taking room from them.
+        await wait_for_decoding([request for request, _ in batch], 30)
         interactive = [submit(engine, spec) for spec in INTERACTIVE_SPECS]
         outputs = {request.request_id: tokens_of(await task) for request, task in [*batch, *interactive]}
     log = list(engine.scheduler.preemption_log)

@@ -74,6 +74,7 @@ class Request:
     cpu_block_ids: list[int] = field(default_factory=list)  # CPU blocks while SWAPPED
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     num_preemptions: int = 0
+    num_charged_prompt_tokens: int = 0  # prompt positions already charged to the tenant's counter
     cache_salt: str = ""  # isolates prefix-cache entries: the tenant or its cache group, plus any request salt
     block_hashes: list[bytes] = field(default_factory=list)  # hash chain of full blocks, grown lazily
     num_registered_blocks: int = 0  # leading device blocks already entered in the prefix cache

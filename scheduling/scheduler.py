@@ -341,12 +341,12 @@ class Scheduler:
         return events
 
     def _charge(self, request: Request, seq: ScheduledSequence) -> None:
-        """Charge the tenant's counter for what this step computed: every fed token but the last
-        output token (whose K/V a decode writes) at w_p, and a sampled token at w_q."""
-        fed = len(seq.token_ids)
-        end = seq.start_position + fed
-        feeds_last_output = end == request.num_tokens and end - 1 >= request.num_prompt_tokens
-        num_prefill = fed - (1 if feeds_last_output else 0)
+        """Charge the tenant's counter: w_p for each prompt token computed for the first time, w_q for
+        a sampled token. Work redone after a recompute preemption is not charged: the scheduler chose
+        it, not the tenant, and charging it would push the tenant preempted most further behind."""
+        end = min(seq.start_position + len(seq.token_ids), request.num_prompt_tokens)
+        num_prefill = max(0, end - max(seq.start_position, request.num_charged_prompt_tokens))
+        request.num_charged_prompt_tokens = max(request.num_charged_prompt_tokens, end)
         self.vtc[request.priority].charge(request.tenant_id, num_prefill, 1 if seq.needs_sample else 0)
 
     def _stop_status(self, request: Request, token: int) -> RequestStatus | None:

@@ -59,6 +59,7 @@ class FairnessSim:
     service: defaultdict[tuple[PriorityClass, str], float] = field(  # running totals
         default_factory=lambda: defaultdict(float))
     first_scheduled: dict[RequestId, float] = field(default_factory=dict)  # virtual start of its first step
+    prompt_done: dict[RequestId, int] = field(default_factory=dict)  # prompt tokens computed at least once
     finished: set[RequestId] = field(default_factory=set)
     history: list[StepRecord] = field(default_factory=list)
     _numbers: itertools.count[int] = field(default_factory=itertools.count)
@@ -105,8 +106,12 @@ class FairnessSim:
         for seq in plan.sequences:
             request = self.requests[RequestId(seq.request_id)]
             self.first_scheduled.setdefault(request.request_id, start)
-            prompt_computed = max(0, min(seq.start_position + len(seq.token_ids), request.num_prompt_tokens)
-                                  - seq.start_position)
+            # Service is useful work: a prompt token counts the first time it is computed, not again
+            # when a recompute preemption makes the scheduler redo it.
+            prompt_end = min(seq.start_position + len(seq.token_ids), request.num_prompt_tokens)
+            done_before = self.prompt_done.get(request.request_id, 0)
+            prompt_computed = max(0, prompt_end - max(seq.start_position, done_before))
+            self.prompt_done[request.request_id] = max(done_before, prompt_end)
             cost = self.weights.prompt * prompt_computed + self.weights.decode * seq.needs_sample
             service[(request.priority, request.tenant_id)] += cost
         result = self.executor.execute(plan)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from app.admission import AdmissionGate
 from config.settings import Settings
 from gpu.plan import CacheGeometry
 from gpu.tokenizer import Tokenizer
@@ -18,6 +19,10 @@ class ServingContext:
     tokenizer: Tokenizer
     created: int = field(default_factory=lambda: int(time.time()))  # reported as the model's creation time
     is_draining: bool = False  # set once on shutdown: new generations get 503, /health says not ready
+    gate: AdmissionGate = field(init=False)  # authentication, class rights and quotas, per the engine's tenants
+
+    def __post_init__(self) -> None:
+        self.gate = AdmissionGate(self.engine.scheduler.tenants, self.engine)
 
     @property
     def model_name(self) -> str:

@@ -21,6 +21,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from app.asgi import ClientGone, EventStreamResponse, read_body, unless_disconnected
+from app.batch.runner import RetryLater
 from app.context import ServingContext
 from app.errors import SERVER_ERROR, APIError, from_validation_error, json_response
 from app.generation import GenerationFailed, TextGeneration, TextPiece, Usage, collect
@@ -40,6 +41,7 @@ from scheduling.engine import EngineOverloaded, EngineStopped, RequestStream
 from scheduling.request import PriorityClass, RequestId
 from scheduling.request import Request as EngineRequest
 from scheduling.scheduler import AdmissionError
+from tenancy.tenants import Tenant
 
 BodyT = TypeVar("BodyT", bound=GenerationBody)
 RETRY_AFTER_S = "1"
@@ -50,6 +52,7 @@ THREAD_TOKENIZE_CHARS = 16_384
 GREEDY_BELOW_TEMPERATURE = 1e-5
 # What a client that disconnects is "answered" (it is never seen): nginx's "client closed request".
 CLIENT_CLOSED_STATUS = 499
+CHAT_PATH = "/v1/chat/completions"
 
 
 @dataclass(slots=True, frozen=True)
@@ -83,9 +86,11 @@ class OpenAIRoutes:
     # ---- models, health, stats ------------------------------------------------------------
 
     async def list_models(self, request: Request) -> Response:
+        self.context.gate.authenticate(request)
         return json_response({"object": "list", "data": [self._model_card()]})
 
     async def retrieve_model(self, request: Request) -> Response:
+        self.context.gate.authenticate(request)
         model_id = request.path_params["model_id"]
         if model_id != self.context.model_name:
             raise self._unknown_model(model_id)
@@ -107,21 +112,27 @@ class OpenAIRoutes:
     # ---- generation -----------------------------------------------------------------------
 
     async def chat_completions(self, request: Request) -> Response:
+        tenant = self.context.gate.authenticate(request)
         body = await self._parse(request, ChatCompletionBody)
+        return await self._generate(request, tenant, body, await self._prompt_of(body), CHAT)
+
+    async def completions(self, request: Request) -> Response:
+        tenant = self.context.gate.authenticate(request)
+        body = await self._parse(request, CompletionBody)
+        return await self._generate(request, tenant, body, await self._prompt_of(body), COMPLETION)
+
+    async def _prompt_of(self, body: GenerationBody) -> list[int]:
+        if isinstance(body, CompletionBody):
+            text = body.prompt_text
+            return await self._tokenize(self.context.tokenizer.encode, text, len(text))
+        assert isinstance(body, ChatCompletionBody)
         messages = [{"role": message.role, "content": message.text} for message in body.messages]
         num_chars = sum(len(message["content"]) for message in messages)
         try:
-            prompt = await self._tokenize(self.context.tokenizer.encode_chat, messages, num_chars)
+            return await self._tokenize(self.context.tokenizer.encode_chat, messages, num_chars)
         except Exception as exc:  # chat templates raise what they like (e.g. roles that must alternate)
             raise APIError(400, f"The model's chat template cannot render these messages: {exc}",
                            param="messages") from None
-        return await self._generate(request, body, prompt, CHAT)
-
-    async def completions(self, request: Request) -> Response:
-        body = await self._parse(request, CompletionBody)
-        text = body.prompt_text
-        prompt = await self._tokenize(self.context.tokenizer.encode, text, len(text))
-        return await self._generate(request, body, prompt, COMPLETION)
 
     async def _parse(self, request: Request, body_type: type[BodyT]) -> BodyT:
         if self.context.is_draining:
@@ -131,6 +142,9 @@ class OpenAIRoutes:
             body = body_type.model_validate_json(raw)
         except ValidationError as exc:
             raise from_validation_error(exc) from None
+        return self._served_model(body)
+
+    def _served_model(self, body: BodyT) -> BodyT:
         if body.model != self.context.model_name:
             raise self._unknown_model(body.model)
         return body
@@ -145,34 +159,73 @@ class OpenAIRoutes:
             return encode(text)
         return await run_in_threadpool(encode, text)
 
-    async def _generate(self, request: Request, body: GenerationBody, prompt: list[int], flavor: Flavor
-                        ) -> Response:
+    async def _generate(self, request: Request, tenant: Tenant, body: GenerationBody, prompt: list[int],
+                        flavor: Flavor) -> Response:
         if not prompt:
             raise APIError(400, "The prompt is empty once tokenized.", param=flavor.prompt_param)
         completion_id = flavor.id_prefix + uuid.uuid4().hex
-        stream = self._submit(self._engine_request(completion_id, body, prompt), body, flavor)
+        engine_request = self._engine_request(completion_id, body, prompt, tenant)
+        self.context.gate.check_class(tenant, engine_request.priority)
+        headers = self.context.gate.admit(tenant, engine_request).headers
+        stream = self._submit(engine_request, body, flavor)
         generation = TextGeneration(stream, self.context.tokenizer, body.stop_strings,
                                     coalesce=self.context.settings.stream_coalesce)
         envelope = Envelope(completion_id, int(time.time()), self.context.model_name, body.service_tier)
         if body.is_stream:
             chunks = flavor.chunks(envelope, body.include_usage)
-            return EventStreamResponse(self._sse_events(generation, chunks, body.include_usage))
+            return EventStreamResponse(self._sse_events(generation, chunks, body.include_usage), headers)
         try:
             result = await unless_disconnected(request.receive, collect(generation))
         except GenerationFailed as exc:
             raise self._failure(str(exc)) from None
         except ClientGone:
             return Response(status_code=CLIENT_CLOSED_STATUS)
-        return json_response(flavor.whole(envelope, result, generation.usage))
+        return json_response(flavor.whole(envelope, result, generation.usage), headers=headers)
 
-    def _engine_request(self, request_id: str, body: GenerationBody, prompt: list[int]) -> EngineRequest:
+    async def run_batch_item(self, tenant_id: str, url: str, raw_body: dict[str, Any]
+                             ) -> tuple[int, str, dict[str, Any]]:
+        """One Batch API item, run as its endpoint runs a request without streaming, in the batch
+        class under the batch's tenant. Returns (status, request id, response body). Raises RetryLater
+        when the server cannot take it now (overloaded or draining): it stays pending."""
+        flavor, body_type = (CHAT, ChatCompletionBody) if url == CHAT_PATH else (COMPLETION, CompletionBody)
+        completion_id = flavor.id_prefix + uuid.uuid4().hex
+        tenant = self.context.engine.scheduler.tenants.get(tenant_id)
+        try:
+            body = self._served_model(body_type.model_validate({**raw_body, "stream": False}))
+            prompt = await self._prompt_of(body)
+            if not prompt:
+                raise APIError(400, "The prompt is empty once tokenized.", param=flavor.prompt_param)
+            engine_request = self._engine_request(completion_id, body, prompt, tenant, PriorityClass.BATCH)
+            generation = TextGeneration(self._submit(engine_request, body, flavor), self.context.tokenizer,
+                                        body.stop_strings)
+            result = await collect(generation)
+        except ValidationError as exc:
+            return 400, completion_id, from_validation_error(exc).body()
+        except GenerationFailed as exc:
+            if self.context.is_draining:
+                raise RetryLater(str(exc)) from None
+            return 500, completion_id, self._failure(str(exc)).body()
+        except APIError as exc:
+            if exc.status == 503:
+                raise RetryLater(exc.message) from None
+            return exc.status, completion_id, exc.body()
+        envelope = Envelope(completion_id, int(time.time()), self.context.model_name, body.service_tier)
+        return 200, completion_id, flavor.whole(envelope, result, generation.usage)
+
+    def _engine_request(self, request_id: str, body: GenerationBody, prompt: list[int], tenant: Tenant,
+                        priority: PriorityClass | None = None) -> EngineRequest:
         temperature = 1.0 if body.temperature is None else body.temperature
         if temperature < GREEDY_BELOW_TEMPERATURE:
             temperature = 0.0
         sampling = SamplingParams(temperature, top_p=1.0 if body.top_p is None else body.top_p, seed=body.seed)
         return EngineRequest(RequestId(request_id), prompt, self._max_tokens(body, len(prompt)), sampling,
                              stop_token_ids=frozenset() if body.ignore_eos else self.context.tokenizer.eos_token_ids,
-                             priority=PriorityClass.BATCH if body.is_batch_class else PriorityClass.INTERACTIVE)
+                             tenant_id=tenant.tenant_id, priority=priority or self._priority_of(body),
+                             cache_salt=tenant.cache_salt + (f"|request:{body.cache_salt}" if body.cache_salt else ""))
+
+    @staticmethod
+    def _priority_of(body: GenerationBody) -> PriorityClass:
+        return PriorityClass.BATCH if body.is_batch_class else PriorityClass.INTERACTIVE
 
     def _max_tokens(self, body: GenerationBody, num_prompt_tokens: int) -> int:
         """As asked; by default the rest of the context, capped at settings.default_max_tokens. A
@@ -183,6 +236,15 @@ class OpenAIRoutes:
         return max(1, min(self.context.settings.default_max_tokens, room))
 
     def _submit(self, engine_request: EngineRequest, body: GenerationBody, flavor: Flavor) -> RequestStream:
+        """Hand the request to the engine; if it refuses, the quota taken at the gate goes back."""
+        try:
+            return self._submit_or_explain(engine_request, body, flavor)
+        except APIError:
+            self.context.gate.cancel(engine_request.request_id)
+            raise
+
+    def _submit_or_explain(self, engine_request: EngineRequest, body: GenerationBody, flavor: Flavor
+                           ) -> RequestStream:
         try:
             return self.context.engine.submit(engine_request)
         except AdmissionError as exc:

@@ -64,6 +64,8 @@ class GenerationBody(StrictModel):
     service_tier: ServiceTier | None = None
     user: str | None = None  # accepted and ignored: tenants come from API keys, not from this field
     ignore_eos: bool = False  # an extension (vLLM has it too): run to max_tokens, for benchmarks and tests
+    # vLLM's field: isolates this request's prefix-cache entries further than its tenant's salt does.
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
 
     @field_validator("stop")
     @classmethod

@@ -23,6 +23,7 @@ from starlette.responses import Response
 from starlette.types import ASGIApp
 
 from app.asgi import ClientGone, RequestIdMiddleware
+from app.batch.api import BatchAPI
 from app.cli import add_model_flags, settings_from_args
 from app.context import ServingContext
 from app.errors import APIError, api_error_handler, http_exception_handler, unexpected_error_handler
@@ -44,16 +45,21 @@ async def _client_gone_handler(request: Request, exc: Exception) -> Response:
 def create_app(context: ServingContext) -> ASGIApp:
     """The ASGI app. Its lifespan starts the engine and, at the very end, stops it."""
 
+    openai = OpenAIRoutes(context)
+    batches = BatchAPI.build(context.settings, context.gate, openai.run_batch_item, context.model_name)
+
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         await context.engine.start()
+        batches.runner.start()
         try:
             yield
         finally:
+            await batches.stop()
             await context.engine.shutdown(SHUTTING_DOWN)
 
     observability = Observability.attach(context.engine, is_draining=lambda: context.is_draining)
-    routes = [*OpenAIRoutes(context).routes(), *observability.routes()]
+    routes = [*openai.routes(), *batches.routes, *observability.routes()]
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={
         APIError: observability.count_rejections(api_error_handler),
         HTTPException: http_exception_handler,

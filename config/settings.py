@@ -55,6 +55,13 @@ class Settings(BaseModel):
     cached_token_weight: float = Field(default=0.1, ge=0)  # share of w_p charged per cached prompt token
     tenants_file: str | None = None
 
+    # Files and Batch APIs.
+    batch_db_path: str = "./data/fairlane.db"  # SQLite (WAL): files, batches and per-item results
+    max_upload_bytes: int = Field(default=200 * MiB, ge=1024)
+    batch_window_s: int = Field(default=24 * 3600, ge=1)  # the "24h" completion window, in seconds
+    batch_max_in_flight: int = Field(default=32, ge=1)  # batch items in the engine at once, all batches
+    batch_poll_s: float = Field(default=1.0, gt=0)  # how often expiry is checked without other events
+
     # HTTP.
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, le=65535)

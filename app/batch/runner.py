@@ -21,9 +21,14 @@ from app.batch.service import move_to, output_line, unfinished_line
 from app.batch.store import BatchStore, PendingItem
 
 logger = logging.getLogger(__name__)
+RETRY_DELAY_S = 1.0
 
 # (tenant, url, body) -> (HTTP status, response body); runs one item like the HTTP endpoint would.
 ItemExecutor = Callable[[str, str, dict[str, Any]], Awaitable[tuple[int, str, dict[str, Any]]]]
+
+
+class RetryLater(Exception):
+    """An item the server cannot take now (overloaded, or draining): it stays pending for a later try."""
 
 
 class BatchRunner:
@@ -37,6 +42,7 @@ class BatchRunner:
         self._in_flight: dict[tuple[str, int], asyncio.Task[None]] = {}
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._retry_after = 0.0  # while the engine turns items away, feeding pauses until then
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="fairlane-batches")
@@ -80,7 +86,7 @@ class BatchRunner:
 
     def _feed(self, batch: dict[str, Any]) -> None:
         batch_id = batch["id"]
-        room = self.max_in_flight - len(self._in_flight)
+        room = self.max_in_flight - len(self._in_flight) if self.clock() >= self._retry_after else 0
         running = {line for (b, line) in self._in_flight if b == batch_id}
         started = self.store.pending_items(batch_id, running, room) if room > 0 else []
         for item in started:
@@ -92,8 +98,18 @@ class BatchRunner:
         tenant = self.store.batch_tenant(batch["id"]) or ""
         try:
             status, request_id, body = await self.execute(tenant, batch["endpoint"], item.body)
-            line = output_line(item.custom_id, request_id, status, body)
-            self.store.record_result(batch["id"], item.line, status == 200, line)
+        except RetryLater:
+            self._retry_after = self.clock() + RETRY_DELAY_S
+        except Exception:  # a bug must fail this item once, not retry it forever
+            logger.exception("batch item %s of %s failed", item.line, batch["id"])
+            status, request_id, body = 500, "", {"error": {"message": "The server had an error while "
+                                                           "running this request.", "type": "server_error",
+                                                           "param": None, "code": None}}
+            self.store.record_result(batch["id"], item.line, False,
+                                     output_line(item.custom_id, request_id, status, body))
+        else:
+            self.store.record_result(batch["id"], item.line, status == 200,
+                                     output_line(item.custom_id, request_id, status, body))
         finally:
             self._in_flight.pop((batch["id"], item.line), None)
             self._wake.set()

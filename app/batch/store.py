@@ -77,10 +77,10 @@ class BatchStore:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         self._connection = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
         self._lock = threading.Lock()
-        with self._transaction() as db:
-            db.execute("PRAGMA journal_mode=WAL")
-            db.execute("PRAGMA synchronous=FULL")
-            db.executescript(SCHEMA)
+        with self._lock:  # pragmas and the schema script manage their own transactions
+            self._connection.execute("PRAGMA journal_mode=WAL")
+            self._connection.execute("PRAGMA synchronous=FULL")  # a result acknowledged is on disk
+            self._connection.executescript(SCHEMA)
 
     def close(self) -> None:
         self._connection.close()

@@ -7,16 +7,18 @@ script (framing, stop strings, UTF-8, validation fuzzing) at no model cost.
 
 from __future__ import annotations
 
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
 from app.context import ServingContext
-from app.engine_factory import build_runner, scheduler_config_of
+from app.engine_factory import build_runner, scheduler_config_of, tenants_of
 from app.server import DrainingServer, uvicorn_config
 from config.settings import Settings, load_settings
 from gpu.models import LoadedModel
@@ -97,19 +99,26 @@ class ServerThread:
         return result
 
 
+def fresh_db_path() -> str:
+    """Each test server keeps its batches to itself: a runner works on every batch in its database."""
+    return str(Path(tempfile.mkdtemp(prefix="fairlane-test-")) / "batches.db")
+
+
 def tiny_context(loaded: LoadedModel, **overrides: Any) -> ServingContext:
+    overrides.setdefault("batch_db_path", fresh_db_path())
     settings = load_settings(environ={}, overrides={**TINY_SETTINGS, **overrides})
     runner = build_runner(settings, loaded)
     return _context(settings, runner, runner.loaded.tokenizer)
 
 
 def instant_context(**overrides: Any) -> ServingContext:
+    overrides.setdefault("batch_db_path", fresh_db_path())
     settings = load_settings(environ={}, overrides={**INSTANT_SETTINGS, **overrides})
     return _context(settings, InstantExecutor(instant_geometry(settings, max_model_len=1024)), ByteTokenizer())
 
 
 def _context(settings: Settings, executor: Executor, tokenizer: Tokenizer) -> ServingContext:
-    scheduler = Scheduler(scheduler_config_of(settings), executor.geometry)
+    scheduler = Scheduler(scheduler_config_of(settings), executor.geometry, tenants_of(settings))
     engine = RecordingEngine(scheduler, executor, max_queued_requests=settings.max_queued_requests)
     return ServingContext(settings, engine, tokenizer)
 

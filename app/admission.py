@@ -1,0 +1,77 @@
+"""Who may ask, for which class, and how much: authentication, class rights and quotas at the door.
+
+Every admitted request holds a quota `Admission` until the engine ends it; the gate is an engine
+observer, so the release happens on the request's final event whatever ended it (its last token,
+a stop string, an abort, a client gone, a shutdown).
+"""
+
+from __future__ import annotations
+
+from starlette.requests import Request
+
+from app.errors import APIError
+from scheduling.engine import Engine
+from scheduling.request import PriorityClass, RequestId, TokenEvent
+from scheduling.request import Request as EngineRequest
+from tenancy.quotas import Admission, QuotaExceeded, TenantQuotas
+from tenancy.tenants import Tenant, TenantRegistry
+
+PERMISSION_ERROR = "permission_error"
+RATE_LIMIT_ERROR = "rate_limit_error"
+AUTHENTICATION_ERROR = "invalid_request_error"
+
+
+def bearer_key(request: Request) -> str | None:
+    header = request.headers.get("authorization", "")
+    scheme, _, key = header.partition(" ")
+    return key.strip() or None if scheme.lower() == "bearer" else None
+
+
+class AdmissionGate:
+    def __init__(self, tenants: TenantRegistry, engine: Engine) -> None:
+        self.tenants = tenants
+        self.quotas = TenantQuotas(tenants)
+        self._held: dict[str, Admission] = {}
+        engine.observers.append(self)
+
+    def authenticate(self, request: Request) -> Tenant:
+        """The caller's tenant, or 401. Sets request.state.tenant_id for logs and metrics."""
+        key = bearer_key(request)
+        tenant = self.tenants.authenticate(key)
+        if tenant is None:
+            message = ("You didn't provide an API key. Send it as 'Authorization: Bearer KEY'." if key is None
+                       else "Incorrect API key provided.")
+            raise APIError(401, message, type=AUTHENTICATION_ERROR, code="invalid_api_key")
+        request.state.tenant_id = tenant.tenant_id
+        return tenant
+
+    @staticmethod
+    def check_class(tenant: Tenant, priority: PriorityClass) -> None:
+        if priority.value not in tenant.classes:
+            raise APIError(403, f"This API key may not use the {priority.value} class "
+                                f"(allowed: {', '.join(sorted(tenant.classes))}).",
+                           type=PERMISSION_ERROR, param="service_tier", code="class_not_allowed")
+
+    def admit(self, tenant: Tenant, request: EngineRequest) -> Admission:
+        """Take the tenant's quota for this request, or raise the 429/400 to answer."""
+        try:
+            admission = self.quotas.admit(tenant, request.num_prompt_tokens, request.max_tokens)
+        except QuotaExceeded as exc:
+            error_type = RATE_LIMIT_ERROR if exc.status == 429 else "invalid_request_error"
+            raise APIError(exc.status, exc.message, type=error_type, code=exc.code, headers=exc.headers) from None
+        self._held[request.request_id] = admission
+        return admission
+
+    def cancel(self, request_id: RequestId) -> None:
+        """The engine refused the request after the gate let it in: give the quota back unused."""
+        admission = self._held.pop(request_id, None)
+        if admission is not None:
+            self.quotas.release(admission, 0)
+
+    def on_tokens(self, request: EngineRequest, event: TokenEvent, now: float) -> None:
+        return None
+
+    def on_finished(self, request: EngineRequest, event: TokenEvent, now: float) -> None:
+        admission = self._held.pop(request.request_id, None)
+        if admission is not None:
+            self.quotas.release(admission, event.num_prompt_tokens + event.num_output_tokens)

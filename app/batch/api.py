@@ -1,0 +1,34 @@
+"""The Batch API assembled: its SQLite store, its runner and its routes, built from the settings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from starlette.routing import Route
+
+from app.admission import AdmissionGate
+from app.batch.routes import BatchRoutes
+from app.batch.runner import BatchRunner, ItemExecutor
+from app.batch.store import BatchStore
+from config.settings import Settings
+
+
+@dataclass(slots=True)
+class BatchAPI:
+    store: BatchStore
+    runner: BatchRunner
+    routes: list[Route]
+
+    @classmethod
+    def build(cls, settings: Settings, gate: AdmissionGate, execute: ItemExecutor, model_name: str) -> BatchAPI:
+        store = BatchStore(settings.batch_db_path)
+        runner = BatchRunner(store, execute, max_in_flight=settings.batch_max_in_flight,
+                             poll_seconds=settings.batch_poll_s)
+        routes = BatchRoutes(gate, store, runner, model_name=model_name, max_upload_bytes=settings.max_upload_bytes,
+                             window_seconds=settings.batch_window_s).routes()
+        return cls(store, runner, routes)
+
+    async def stop(self) -> None:
+        """Items still running stay pending in the store: a restarted server runs them again."""
+        await self.runner.stop()
+        self.store.close()

@@ -1,0 +1,193 @@
+"""The Files and Batch APIs in OpenAI's shapes, so `client.files` and `client.batches` work.
+
+A tenant sees and touches only its own files and batches: another tenant's id answers 404, the
+same as an id that does not exist. File content is never logged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.datastructures import UploadFile
+from starlette.formparsers import MultiPartException, MultiPartParser
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from app.admission import AdmissionGate
+from app.asgi import read_body
+from app.batch.runner import BatchRunner
+from app.batch.service import fail_validation, new_batch, parse_input_file
+from app.batch.store import BatchStore
+from app.errors import APIError, from_validation_error, json_response
+from scheduling.request import PriorityClass
+from tenancy.tenants import Tenant
+
+FILE_PURPOSES = ("batch",)
+MAX_LIST_LIMIT = 100
+
+
+class CreateBatchBody(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
+
+    input_file_id: str
+    endpoint: Literal["/v1/chat/completions", "/v1/completions"]
+    completion_window: Literal["24h"]
+    metadata: dict[str, str] | None = Field(default=None, max_length=16)
+
+
+class BatchRoutes:
+    def __init__(self, gate: AdmissionGate, store: BatchStore, runner: BatchRunner, *, model_name: str,
+                 max_upload_bytes: int, window_seconds: int) -> None:
+        self.gate = gate
+        self.store = store
+        self.runner = runner
+        self.model_name = model_name
+        self.max_upload_bytes = max_upload_bytes
+        self.window_seconds = window_seconds
+
+    def routes(self) -> list[Route]:
+        return [
+            Route("/v1/files", self.upload_file, methods=["POST"]),
+            Route("/v1/files", self.list_files, methods=["GET"]),
+            Route("/v1/files/{file_id}", self.retrieve_file, methods=["GET"]),
+            Route("/v1/files/{file_id}", self.delete_file, methods=["DELETE"]),
+            Route("/v1/files/{file_id}/content", self.file_content, methods=["GET"]),
+            Route("/v1/batches", self.create_batch, methods=["POST"]),
+            Route("/v1/batches", self.list_batches, methods=["GET"]),
+            Route("/v1/batches/{batch_id}", self.retrieve_batch, methods=["GET"]),
+            Route("/v1/batches/{batch_id}/cancel", self.cancel_batch, methods=["POST"]),
+        ]
+
+    # ---- files ----------------------------------------------------------------------------
+
+    async def upload_file(self, request: Request) -> Response:
+        tenant = self.gate.authenticate(request)
+        raw = await read_body(request, self.max_upload_bytes)
+        form = await self._parse_form(request, raw)
+        upload, purpose = form.get("file"), form.get("purpose")
+        if not isinstance(upload, UploadFile):
+            raise APIError(400, "Missing the 'file' part of the multipart form.", param="file")
+        if purpose not in FILE_PURPOSES:
+            raise APIError(400, f"Invalid purpose {purpose!r}; this server accepts {list(FILE_PURPOSES)}.",
+                           param="purpose")
+        content = await upload.read()
+        stored = self.store.add_file(tenant.tenant_id, upload.filename or "upload.jsonl", str(purpose), content)
+        return json_response(stored.as_openai())
+
+    async def _parse_form(self, request: Request, raw: bytes) -> Any:
+        if not request.headers.get("content-type", "").startswith("multipart/form-data"):
+            raise APIError(400, "Upload files as multipart/form-data with 'file' and 'purpose' parts.")
+
+        async def body() -> AsyncGenerator[bytes, None]:
+            yield raw
+
+        try:
+            return await MultiPartParser(request.headers, body(), max_files=1, max_fields=8,
+                                         max_part_size=self.max_upload_bytes).parse()
+        except MultiPartException as exc:
+            raise APIError(400, f"Malformed multipart form: {exc.message}") from None
+
+    async def list_files(self, request: Request) -> Response:
+        tenant = self.gate.authenticate(request)
+        files = self.store.list_files(tenant.tenant_id, request.query_params.get("purpose"))
+        return json_response({"object": "list", "data": [f.as_openai() for f in files], "has_more": False})
+
+    async def retrieve_file(self, request: Request) -> Response:
+        tenant = self.gate.authenticate(request)
+        return json_response(self._own_file(tenant, request.path_params["file_id"]).as_openai())
+
+    async def delete_file(self, request: Request) -> Response:
+        tenant = self.gate.authenticate(request)
+        file_id = request.path_params["file_id"]
+        if not self.store.delete_file(tenant.tenant_id, file_id):
+            raise _no_such("file", file_id)
+        return json_response({"id": file_id, "object": "file", "deleted": True})
+
+    async def file_content(self, request: Request) -> Response:
+        tenant = self.gate.authenticate(request)
+        file_id = request.path_params["file_id"]
+        content = self.store.file_content(tenant.tenant_id, file_id)
+        if content is None:
+            raise _no_such("file", file_id)
+        return Response(content, media_type="application/jsonl")
+
+    def _own_file(self, tenant: Tenant, file_id: str) -> Any:
+        stored = self.store.get_file(tenant.tenant_id, file_id)
+        if stored is None:
+            raise _no_such("file", file_id)
+        return stored
+
+    # ---- batches --------------------------------------------------------------------------
+
+    async def create_batch(self, request: Request) -> Response:
+        tenant = self.gate.authenticate(request)
+        self.gate.check_class(tenant, PriorityClass.BATCH)
+        try:
+            body = CreateBatchBody.model_validate_json(await read_body(request, 64 * 1024))
+        except ValidationError as exc:
+            raise from_validation_error(exc) from None
+        input_file = self._own_file(tenant, body.input_file_id)
+        if input_file.purpose != "batch":
+            raise APIError(400, f"File {body.input_file_id} was not uploaded with purpose 'batch'.",
+                           param="input_file_id")
+        batch = new_batch(body.input_file_id, body.endpoint, body.completion_window, body.metadata)
+        batch["expires_at"] = batch["created_at"] + self.window_seconds
+        parsed = parse_input_file(self.store.file_content(tenant.tenant_id, body.input_file_id) or b"",
+                                  body.endpoint, self.model_name)
+        if parsed.errors:
+            fail_validation(batch, parsed.errors, batch["created_at"])
+        batch["request_counts"]["total"] = 0 if parsed.errors else len(parsed.items)
+        self.store.add_batch(tenant.tenant_id, batch, [] if parsed.errors else parsed.items)
+        self.runner.wake()
+        return json_response(batch)
+
+    async def retrieve_batch(self, request: Request) -> Response:
+        tenant = self.gate.authenticate(request)
+        return json_response(self._own_batch(tenant, request.path_params["batch_id"]))
+
+    async def list_batches(self, request: Request) -> Response:
+        tenant = self.gate.authenticate(request)
+        limit = _list_limit(request.query_params.get("limit"))
+        batches, has_more = self.store.list_batches(tenant.tenant_id, request.query_params.get("after"), limit)
+        batches = [self._with_live_counts(b) for b in batches]
+        return json_response({"object": "list", "data": batches, "has_more": has_more,
+                              "first_id": batches[0]["id"] if batches else None,
+                              "last_id": batches[-1]["id"] if batches else None})
+
+    async def cancel_batch(self, request: Request) -> Response:
+        tenant = self.gate.authenticate(request)
+        batch = self._own_batch(tenant, request.path_params["batch_id"])
+        if batch["status"] not in ("validating", "in_progress"):
+            raise APIError(409, f"Cannot cancel a batch that is {batch['status']}.", code="batch_not_cancellable")
+        batch["status"] = "cancelling"
+        batch["cancelling_at"] = int(self.runner.clock())
+        self.store.save_batch(batch)
+        self.runner.wake()
+        return json_response(self._with_live_counts(batch))
+
+    def _own_batch(self, tenant: Tenant, batch_id: str) -> dict[str, Any]:
+        batch = self.store.get_batch(tenant.tenant_id, batch_id)
+        if batch is None:
+            raise _no_such("batch", batch_id)
+        return self._with_live_counts(batch)
+
+    def _with_live_counts(self, batch: dict[str, Any]) -> dict[str, Any]:
+        if batch["status"] in ("in_progress", "cancelling", "finalizing"):
+            batch["request_counts"] = self.runner.counts(batch["id"])
+        return batch
+
+
+def _no_such(kind: str, object_id: str) -> APIError:
+    return APIError(404, f"No such {kind}: '{object_id}'.", param=f"{kind}_id", code="not_found")
+
+
+def _list_limit(raw: str | None) -> int:
+    if raw is None:
+        return 20
+    if not raw.isdigit() or not 1 <= int(raw) <= MAX_LIST_LIMIT:
+        raise APIError(400, f"limit must be an integer from 1 to {MAX_LIST_LIMIT}.", param="limit")
+    return int(raw)
+

@@ -67,13 +67,16 @@ class BatchRoutes:
         tenant = self.gate.authenticate(request)
         raw = await read_body(request, self.max_upload_bytes)
         form = await self._parse_form(request, raw)
-        upload, purpose = form.get("file"), form.get("purpose")
-        if not isinstance(upload, UploadFile):
-            raise APIError(400, "Missing the 'file' part of the multipart form.", param="file")
-        if purpose not in FILE_PURPOSES:
-            raise APIError(400, f"Invalid purpose {purpose!r}; this server accepts {list(FILE_PURPOSES)}.",
-                           param="purpose")
-        content = await upload.read()
+        try:
+            upload, purpose = form.get("file"), form.get("purpose")
+            if not isinstance(upload, UploadFile):
+                raise APIError(400, "Missing the 'file' part of the multipart form.", param="file")
+            if purpose not in FILE_PURPOSES:
+                raise APIError(400, f"Invalid purpose {purpose!r}; this server accepts {list(FILE_PURPOSES)}.",
+                               param="purpose")
+            content = await upload.read()
+        finally:
+            await form.close()
         stored = self.store.add_file(tenant.tenant_id, upload.filename or "upload.jsonl", str(purpose), content)
         return json_response(stored.as_openai())
 

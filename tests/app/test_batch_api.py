@@ -1,0 +1,242 @@
+"""The Files and Batch APIs through the official openai client, on real servers and real SQLite."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import subprocess
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from tenancy.tenants import hash_api_key
+from tests.app.conftest import ServerThread, instant_context, wait_for
+from tests.app.test_shutdown import FAIRLANE, free_port, is_ready
+
+KEYS = {"alice": "fl-alice-batch", "bob": "fl-bob-batch"}
+
+
+@pytest.fixture(scope="module")
+def tenants_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("batch-tenants") / "tenants.toml"
+    path.write_text("".join(f'[[tenants]]\nid = "{t}"\napi_key_hashes = ["{hash_api_key(k)}"]\n\n'
+                            for t, k in KEYS.items()))
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(tenants_file: Path) -> Iterator[ServerThread]:
+    started = ServerThread(instant_context(tenants_file=str(tenants_file), batch_poll_s=0.05)).start()
+    yield started
+    started.stop()
+
+
+def client_for(server: ServerThread | str, tenant: str = "alice") -> openai.OpenAI:
+    base = server if isinstance(server, str) else server.base_url
+    return openai.OpenAI(base_url=f"{base}/v1", api_key=KEYS[tenant], max_retries=0, timeout=30)
+
+
+def jsonl(lines: list[dict[str, Any]]) -> bytes:
+    return b"".join(json.dumps(line).encode() + b"\n" for line in lines)
+
+
+def item(custom_id: str, model: str, url: str = "/v1/chat/completions", **body: Any) -> dict[str, Any]:
+    payload = {"model": model, "max_tokens": 6, **body}
+    if url == "/v1/chat/completions":
+        payload.setdefault("messages", [{"role": "user", "content": f"Say {custom_id}"}])
+    else:
+        payload.setdefault("prompt", f"Say {custom_id}")
+    return {"custom_id": custom_id, "method": "POST", "url": url, "body": payload}
+
+
+def upload(client: openai.OpenAI, lines: list[dict[str, Any]]) -> str:
+    return client.files.create(file=("input.jsonl", io.BytesIO(jsonl(lines))), purpose="batch").id
+
+
+def completed_count(client: openai.OpenAI, batch_id: str) -> int:
+    counts = client.batches.retrieve(batch_id).request_counts
+    return counts.completed if counts is not None else 0
+
+
+def wait_for_status(client: openai.OpenAI, batch_id: str, statuses: tuple[str, ...], timeout: float = 60) -> Any:
+    found: list[Any] = []
+
+    def reached() -> bool:
+        found[:] = [client.batches.retrieve(batch_id)]
+        return found[0].status in statuses
+
+    wait_for(reached, timeout=timeout, interval=0.05, what=f"batch {batch_id} to reach {statuses}")
+    return found[0]
+
+
+def output_lines(client: openai.OpenAI, file_id: str | None) -> list[dict[str, Any]]:
+    if file_id is None:
+        return []
+    return [json.loads(line) for line in client.files.content(file_id).text.splitlines()]
+
+
+def test_batch_runs_every_item_through_the_official_client(server: ServerThread) -> None:
+    client = client_for(server)
+    lines = [item(f"req-{i}", server.model_name) for i in range(12)]
+    lines.append(item("bad-temp", server.model_name, temperature=5))  # valid JSON, fails when run
+    file_id = upload(client, lines)
+    assert client.files.retrieve(file_id).purpose == "batch"
+    assert file_id in [f.id for f in client.files.list()]
+
+    batch = client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions",
+                                  completion_window="24h", metadata={"job": "nightly"})
+    assert batch.status in ("validating", "in_progress") and batch.metadata == {"job": "nightly"}
+    done = wait_for_status(client, batch.id, ("completed",))
+
+    assert done.request_counts.total == 13
+    assert (done.request_counts.completed, done.request_counts.failed) == (12, 1)
+    assert done.completed_at is not None and done.in_progress_at is not None
+    outputs = output_lines(client, done.output_file_id)
+    assert sorted(o["custom_id"] for o in outputs) == sorted(f"req-{i}" for i in range(12))
+    first = outputs[0]["response"]
+    assert first["status_code"] == 200 and first["body"]["object"] == "chat.completion"
+    errors = output_lines(client, done.error_file_id)
+    assert [(e["custom_id"], e["response"]["status_code"]) for e in errors] == [("bad-temp", 400)]
+    batch_requests = [r for r in server.engine.submitted if r.request_id.startswith("chatcmpl-")]
+    assert batch_requests and all(r.priority.value == "batch" and r.tenant_id == "alice" for r in batch_requests)
+
+
+def test_batches_list_pages_newest_first(server: ServerThread) -> None:
+    client = client_for(server, "bob")
+    file_id = upload(client, [item("only", server.model_name, url="/v1/completions")])
+    created = [client.batches.create(input_file_id=file_id, endpoint="/v1/completions",
+                                     completion_window="24h").id for _ in range(3)]
+    first_page = client.batches.list(limit=2)
+    assert [b.id for b in first_page.data] == created[::-1][:2] and first_page.has_more
+    second_page = client.batches.list(limit=2, after=first_page.data[-1].id)
+    assert [b.id for b in second_page.data] == created[:1] and not second_page.has_more
+
+
+@pytest.mark.parametrize(("line", "code"), [
+    ("{not json", "invalid_json_line"),
+    ("duplicate", "duplicate_custom_id"),
+    ("other-endpoint", "mismatched_endpoint"),
+    ("unknown-model", "model_not_found"),
+])
+def test_invalid_input_fails_the_batch_naming_the_line(server: ServerThread, line: str, code: str) -> None:
+    client = client_for(server)
+    good = json.dumps(item("a", server.model_name))
+    bad = {
+        "{not json": line,
+        "duplicate": good,
+        "other-endpoint": json.dumps(item("b", server.model_name, url="/v1/completions")),
+        "unknown-model": json.dumps(item("b", "no-such-model")),
+    }[line]
+    file_id = client.files.create(file=("in.jsonl", io.BytesIO(f"{good}\n{bad}\n".encode())), purpose="batch").id
+    batch = client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h")
+    assert batch.status == "failed" and batch.errors is not None
+    assert [(e.code, e.line) for e in batch.errors.data or []] == [(code, 2)]
+
+
+def test_another_tenants_files_and_batches_answer_404(server: ServerThread) -> None:
+    alice, bob = client_for(server, "alice"), client_for(server, "bob")
+    file_id = upload(alice, [item("x", server.model_name)])
+    batch = alice.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h")
+    for call in (lambda: bob.files.retrieve(file_id), lambda: bob.files.content(file_id),
+                 lambda: bob.files.delete(file_id), lambda: bob.batches.retrieve(batch.id),
+                 lambda: bob.batches.cancel(batch.id),
+                 lambda: bob.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions",
+                                            completion_window="24h")):
+        with pytest.raises(openai.NotFoundError):
+            call()
+    assert file_id not in [f.id for f in bob.files.list()]
+    assert alice.files.delete(file_id).deleted
+
+
+def test_upload_over_the_size_limit_gets_413(tenants_file: Path) -> None:
+    server = ServerThread(instant_context(tenants_file=str(tenants_file), max_upload_bytes=4096)).start()
+    try:
+        response = httpx.post(f"{server.base_url}/v1/files", headers={"authorization": f"Bearer {KEYS['alice']}"},
+                              files={"file": ("big.jsonl", b"x" * 10_000)}, data={"purpose": "batch"}, timeout=10)
+    finally:
+        server.stop()
+    assert response.status_code == 413
+
+
+def test_cancel_ends_the_batch_keeping_finished_results(start_tiny_server: Callable[..., ServerThread],
+                                                       tenants_file: Path) -> None:
+    server = start_tiny_server(tenants_file=str(tenants_file), batch_poll_s=0.05, batch_max_in_flight=2)
+    client = client_for(server)
+    lines = [item(f"c{i}", server.model_name, max_tokens=40, ignore_eos=True) for i in range(30)]
+    batch = client.batches.create(input_file_id=upload(client, lines), endpoint="/v1/chat/completions",
+                                  completion_window="24h")
+    wait_for(lambda: completed_count(client, batch.id) >= 2, timeout=60,
+             what="a few items to finish")
+    assert client.batches.cancel(batch.id).status == "cancelling"
+    done = wait_for_status(client, batch.id, ("cancelled",))
+    outputs, errors = output_lines(client, done.output_file_id), output_lines(client, done.error_file_id)
+    assert len(outputs) >= 2 and len(outputs) + len(errors) == 30
+    assert {e["error"]["code"] for e in errors} == {"batch_cancelled"}
+    wait_for(lambda: server.stats()["kv_blocks_in_use"] == 0, what="the cancelled items' blocks to be freed")
+
+
+def test_an_expired_window_ends_the_batch_as_expired(start_tiny_server: Callable[..., ServerThread],
+                                                    tenants_file: Path) -> None:
+    server = start_tiny_server(tenants_file=str(tenants_file), batch_poll_s=0.05, batch_max_in_flight=1,
+                               batch_window_s=2)
+    client = client_for(server)
+    lines = [item(f"e{i}", server.model_name, max_tokens=60, ignore_eos=True) for i in range(200)]
+    batch = client.batches.create(input_file_id=upload(client, lines), endpoint="/v1/chat/completions",
+                                  completion_window="24h")
+    done = wait_for_status(client, batch.id, ("expired",), timeout=30)
+    outputs, errors = output_lines(client, done.output_file_id), output_lines(client, done.error_file_id)
+    assert done.expired_at is not None
+    assert len(outputs) + len(errors) == 200 and len(errors) > 0
+    assert {e["error"]["code"] for e in errors if e["error"]} == {"batch_expired"}
+
+
+@pytest.fixture
+def database(tmp_path: Path) -> Path:
+    return tmp_path / "batches.db"
+
+
+def start_server_process(database: Path, tenants_file: Path) -> tuple[subprocess.Popen[bytes], str]:
+    port = free_port()
+    env = {**os.environ, "FAIRLANE_BATCH_DB_PATH": str(database), "FAIRLANE_TENANTS_FILE": str(tenants_file),
+           "FAIRLANE_BATCH_POLL_S": "0.05", "FAIRLANE_BATCH_MAX_IN_FLIGHT": "4"}
+    process = subprocess.Popen([str(FAIRLANE), "serve", "--model", "builtin:tiny", "--port", str(port)],
+                               env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    base_url = f"http://127.0.0.1:{port}"
+    wait_for(lambda: is_ready(base_url) or process.poll() is not None, timeout=60, interval=0.1,
+             what="the server to start")
+    assert process.poll() is None
+    return process, base_url
+
+
+@pytest.mark.slow
+def test_sigkill_mid_batch_then_restart_completes_every_item_exactly_once(database: Path, tenants_file: Path
+                                                                         ) -> None:
+    process, base_url = start_server_process(database, tenants_file)
+    try:
+        client = client_for(base_url)
+        lines = [item(f"k{i}", "builtin:tiny", max_tokens=24, ignore_eos=True) for i in range(40)]
+        batch = client.batches.create(input_file_id=upload(client, lines), endpoint="/v1/chat/completions",
+                                      completion_window="24h")
+        wait_for(lambda: completed_count(client, batch.id) >= 8, timeout=60,
+                 what="some items to finish before the kill")
+    finally:
+        process.send_signal(signal.SIGKILL)
+        process.wait(timeout=10)
+    process, base_url = start_server_process(database, tenants_file)
+    try:
+        client = client_for(base_url)
+        done = wait_for_status(client, batch.id, ("completed",), timeout=120)
+        outputs = output_lines(client, done.output_file_id)
+        errors = output_lines(client, done.error_file_id)
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=30)
+    custom_ids = [line["custom_id"] for line in outputs + errors]
+    assert sorted(custom_ids) == sorted(f"k{i}" for i in range(40))  # each exactly once
+    assert not errors and done.request_counts.completed == 40

@@ -89,7 +89,11 @@ def serve_instant(port: int, coalesce: bool) -> None:
         "stream_coalesce": coalesce})
     engine, tokenizer = build_instant_engine(settings)
     context = ServingContext(settings, engine, tokenizer)
-    DrainingServer(uvicorn_config(context, access_log=False, log_level="warning"), context).run()
+    config = uvicorn_config(context, access_log=False, log_level="warning")
+    # While a level warms up, streams that finished first leave their connections idle until the
+    # slowest one ends; past uvicorn's 5 s default the server would close them under the client.
+    config.timeout_keep_alive = 120
+    DrainingServer(config, context).run()
 
 
 def _free_port() -> int:

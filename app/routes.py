@@ -228,8 +228,9 @@ class OpenAIRoutes:
         return PriorityClass.BATCH if body.is_batch_class else PriorityClass.INTERACTIVE
 
     def _max_tokens(self, body: GenerationBody, num_prompt_tokens: int) -> int:
-        """As asked; by default the rest of the context, capped at settings.default_max_tokens. A
-        request that does not fit is refused by the engine's admission check, with the numbers."""
+        """The request's own if it gives one; else the rest of the context, capped at
+        settings.default_max_tokens. A request that does not fit is refused by the engine's
+        admission check, with the numbers."""
         if body.requested_max_tokens is not None:
             return body.requested_max_tokens
         room = self.context.geometry.max_model_len - num_prompt_tokens

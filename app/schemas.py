@@ -28,6 +28,7 @@ class StrictModel(BaseModel):
 
 class StreamOptions(StrictModel):
     include_usage: bool = False
+    include_obfuscation: bool = True  # accepted for compatibility: chunks never carry obfuscation padding
 
 
 class TextPart(StrictModel):

@@ -59,7 +59,7 @@ def test_chat_stream_has_openai_framing(http: httpx.Client, instant_server: Serv
 
 
 def test_stream_without_include_usage_has_no_usage(http: httpx.Client, instant_server: ServerThread) -> None:
-    _, payloads = stream_chat(http, instant_server, max_tokens=5)
+    _, payloads = stream_chat(http, instant_server, max_tokens=5, stream_options={"include_obfuscation": False})
 
     assert all("usage" not in payload and payload["choices"] for payload in payloads)
 

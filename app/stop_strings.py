@@ -44,8 +44,11 @@ class StopStringMatcher:
         return held
 
     def _earliest_stop(self, buffer: str) -> int | None:
-        found = [index for index in (buffer.find(stop) for stop in self._stops) if index >= 0]
-        return min(found) if found else None
+        """Where the text must be cut: before the stop string that completes first, as if the text
+        came one character at a time (so token boundaries never change the answer). Of stop strings
+        completing on the same character, the longest wins."""
+        found = [(index + len(stop), index) for stop in self._stops if (index := buffer.find(stop)) >= 0]
+        return min(found)[1] if found else None
 
     def _num_chars_to_hold(self, buffer: str) -> int:
         """The longest tail of buffer that is a proper prefix of some stop string."""

@@ -1,0 +1,203 @@
+"""The client side of a load test: one streamed chat request timed as its user feels it, the SSE
+parser, and the server's /stats read before and after (the leak check).
+
+Times are seconds after the run's start (one `time.perf_counter` origin for every request).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import json
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+
+from loadtest.workload import ChatRequest, LoadTenant
+
+OK = "ok"
+DROPPED = "dropped"  # the client left mid-stream on purpose (the disconnect scenario): not an error
+UNFINISHED = "unfinished"  # still going when the run's drain timeout ended it
+TIMEOUT = "timeout"
+TRANSPORT_ERROR = "transport_error"
+STREAM_ERROR = "stream_error"  # an error event after the stream started
+BAD_STREAM = "bad_stream"  # the stream ended without `data: [DONE]`, or a chunk was not JSON
+NOT_ERRORS = frozenset({OK, DROPPED})
+DONE = "[DONE]"
+STATS_PATH = "/stats"
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    """What one request looked like from the client. Updated as the response arrives, so a request
+    cancelled at the end of the run still shows what it had received."""
+
+    tenant: str
+    klass: str
+    sent_at: float
+    outcome: str = UNFINISHED  # OK, DROPPED, an HTTP status ("429") or one of the client-side kinds above
+    ttft_s: float | None = None  # to the first chunk with content
+    e2e_s: float | None = None  # to the end of the response (or the drop)
+    chunk_times: list[float] = field(default_factory=list)  # when each content chunk arrived
+    prompt_tokens: int = 0
+    completion_tokens: int = 0  # from usage; the number of content chunks when no usage arrived
+    cached_tokens: int = 0
+
+    @property
+    def is_error(self) -> bool:
+        return self.outcome not in NOT_ERRORS
+
+    @property
+    def ended_at(self) -> float:
+        return self.sent_at + self.e2e_s if self.e2e_s is not None else max(self.chunk_times, default=self.sent_at)
+
+
+def is_loopback_url(url: str) -> bool:
+    host = urlsplit(url).hostname or ""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+async def sse_data(lines: AsyncIterator[str]) -> AsyncIterator[str]:
+    """The data of each server-sent event: `data:` lines joined, comment lines (':') skipped, an
+    event ended by a blank line."""
+    data: list[str] = []
+    async for line in lines:
+        if line.startswith(":"):
+            continue
+        if not line:
+            if data:
+                yield "\n".join(data)
+                data = []
+            continue
+        name, _, value = line.partition(":")
+        if name == "data":
+            data.append(value.removeprefix(" "))
+    if data:
+        yield "\n".join(data)
+
+
+Clock = Callable[[], float]
+
+
+async def send_chat(http: httpx.AsyncClient, model: str, request: ChatRequest, record: RequestRecord,
+                    clock: Clock) -> None:
+    """Stream one chat completion into record. Never raises for what the server or network does:
+    that becomes the record's outcome."""
+    try:
+        async with http.stream("POST", "/v1/chat/completions", json=request.body(model),
+                               headers=request.tenant.headers) as response:
+            if response.status_code != 200:
+                await response.aread()
+                record.outcome = str(response.status_code)
+            else:
+                record.outcome = await _read_stream(response, request, record, clock)
+    except httpx.TimeoutException:
+        record.outcome = TIMEOUT
+    except httpx.TransportError:
+        record.outcome = TRANSPORT_ERROR
+    except (ValueError, TypeError, AttributeError):  # a chunk that is JSON but not the shape of one
+        record.outcome = BAD_STREAM
+    finally:
+        if record.outcome != UNFINISHED:
+            record.e2e_s = clock() - record.sent_at
+        if not record.completion_tokens:
+            record.completion_tokens = len(record.chunk_times)
+
+
+async def _read_stream(response: httpx.Response, request: ChatRequest, record: RequestRecord, clock: Clock) -> str:
+    async for data in sse_data(response.aiter_lines()):
+        if data == DONE:
+            return OK
+        chunk = json.loads(data)  # a JSONDecodeError is a ValueError: send_chat makes it BAD_STREAM
+        if not isinstance(chunk, dict):
+            return BAD_STREAM
+        if "error" in chunk:
+            return STREAM_ERROR
+        now = clock()
+        if _take_chunk(chunk, record, now - record.sent_at):
+            record.chunk_times.append(now)
+            if request.drop_after_chunks is not None and len(record.chunk_times) >= request.drop_after_chunks:
+                return DROPPED  # leaving the `async with` closes the connection mid-stream
+    return BAD_STREAM
+
+
+def _take_chunk(chunk: dict[str, Any], record: RequestRecord, elapsed: float) -> bool:
+    """Note usage and the first token; True when the chunk carries content."""
+    usage = chunk.get("usage")
+    if usage:
+        record.prompt_tokens = int(usage.get("prompt_tokens", 0))
+        record.completion_tokens = int(usage.get("completion_tokens", 0))
+        record.cached_tokens = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0))
+    choices = chunk.get("choices") or []
+    has_content = bool(choices and (choices[0].get("delta") or {}).get("content"))
+    if has_content and record.ttft_s is None:
+        record.ttft_s = elapsed
+    return has_content
+
+
+async def served_model(http: httpx.AsyncClient, tenant: LoadTenant) -> str:
+    response = await http.get("/v1/models", headers=tenant.headers)
+    response.raise_for_status()
+    model: str = response.json()["data"][0]["id"]
+    return model
+
+
+async def read_stats(http: httpx.AsyncClient) -> dict[str, Any]:
+    response = await http.get(STATS_PATH)
+    response.raise_for_status()
+    stats: dict[str, Any] = response.json()
+    return stats
+
+
+@dataclass(slots=True)
+class SettleResult:
+    """The leak check: once the load has ended, the server must come back to idle by itself."""
+
+    passed: bool
+    waited_s: float
+    problems: list[str]
+    stats: dict[str, Any]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"passed": self.passed, "waited_s": round(self.waited_s, 3), "problems": self.problems,
+                "stats": self.stats}
+
+
+def idle_problems(stats: dict[str, Any]) -> list[str]:
+    """What is wrong with a server that should have nothing left to do; empty when all is well."""
+    problems = [f"{stats[k]} request(s) still {k} (stuck)" for k in ("running", "waiting", "swapped") if stats.get(k)]
+    if problems:
+        return problems  # blocks held by requests that still exist are theirs, not leaked
+    if stats.get("kv_blocks_in_use"):
+        problems.append(f"{stats['kv_blocks_in_use']} of {stats.get('kv_blocks_total', '?')} KV blocks still in use"
+                        " (leaked)")
+    if stats.get("cpu_blocks_in_use"):
+        problems.append(f"{stats['cpu_blocks_in_use']} CPU swap blocks still in use (leaked)")
+    return problems
+
+
+async def settle(http: httpx.AsyncClient, timeout_s: float, interval_s: float = 0.2) -> SettleResult:
+    """Poll /stats until the server is idle with every KV block free, or timeout_s has passed.
+    Assumes the load tool is the server's only client while it runs."""
+    start = time.perf_counter()
+    while True:
+        try:
+            stats = await read_stats(http)
+            problems = idle_problems(stats)
+        except (httpx.HTTPError, ValueError) as exc:
+            stats, problems = {}, [f"/stats could not be read: {exc!r}"]
+        waited = time.perf_counter() - start
+        if not problems or waited >= timeout_s:
+            if problems:
+                problems = [f"after {waited:.1f} s: {p}" for p in problems]
+            return SettleResult(not problems, waited, problems, stats)
+        await asyncio.sleep(interval_s)

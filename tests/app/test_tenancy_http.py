@@ -3,6 +3,7 @@ prefix-cache isolation between tenants, on a real server with a tenants file."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -11,8 +12,12 @@ import httpx
 import openai
 import pytest
 
+from config.settings import load_settings
+from gpu.plan import CacheGeometry, StepPlan, StepResult
+from gpu.tokenizer import ByteTokenizer
+from loadtest.instant_executor import InstantExecutor, instant_geometry
 from tenancy.tenants import hash_api_key
-from tests.app.conftest import ServerThread, instant_context
+from tests.app.conftest import INSTANT_SETTINGS, ServerThread, _context, fresh_db_path, instant_context
 
 KEYS = {"alice": "fl-alice-key", "bob": "fl-bob-key", "carol": "fl-carol-key", "dave": "fl-dave-key",
         "erin": "fl-erin-key"}
@@ -127,20 +132,43 @@ def test_prompt_over_the_tenant_limit_gets_400(server: ServerThread) -> None:
     assert "200" in response.json()["error"]["message"]
 
 
-def test_requests_in_flight_over_the_limit_get_429(start_tiny_server: Callable[..., ServerThread],
-                                                   tenants_file: Path) -> None:
-    server = start_tiny_server(tenants_file=str(tenants_file))
-    body = {"model": server.model_name, "prompt": "Once", "max_tokens": 400, "ignore_eos": True, "stream": True}
+class HeldExecutor(InstantExecutor):
+    """Steps wait until released: a request stays in flight for as long as a test needs."""
+
+    def __init__(self, geometry: CacheGeometry) -> None:
+        super().__init__(geometry)
+        self.release = threading.Event()
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        self.release.wait(timeout=60)
+        return super().execute(plan)
+
+
+def test_requests_in_flight_over_the_limit_get_429(tenants_file: Path) -> None:
+    settings = load_settings(environ={}, overrides={**INSTANT_SETTINGS, "tenants_file": str(tenants_file),
+                                                    "batch_db_path": fresh_db_path()})
+    executor = HeldExecutor(instant_geometry(settings, max_model_len=1024))
+    server = ServerThread(_context(settings, executor, ByteTokenizer())).start()
     headers = {"authorization": f"Bearer {KEYS['bob']}"}
-    with httpx.Client(timeout=30) as client, client.stream("POST", f"{server.base_url}/v1/completions",
-                                                          json=body, headers=headers) as first:
-        assert first.status_code == 200
-        next(first.iter_bytes())  # the first request is being served
-        refused = client.post(f"{server.base_url}/v1/completions", json={**body, "stream": False},
-                              headers=headers)
+    body = {"model": server.model_name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    try:
+        with httpx.Client(timeout=30) as client:
+            with client.stream("POST", f"{server.base_url}/v1/chat/completions", json={**body, "stream": True},
+                               headers=headers) as first:
+                assert first.status_code == 200
+                chunks = first.iter_bytes()
+                next(chunks)  # the role chunk: admitted, and held in the engine
+                refused = client.post(f"{server.base_url}/v1/chat/completions", json=body, headers=headers)
+                executor.release.set()
+                assert b"[DONE]" in b"".join(chunks)
+            after = client.post(f"{server.base_url}/v1/chat/completions", json=body, headers=headers)
+    finally:
+        executor.release.set()
+        server.stop()
     assert refused.status_code == 429
     assert refused.headers["x-ratelimit-limit-requests"] == "1"
     assert refused.headers["x-ratelimit-remaining-requests"] == "0"
+    assert after.status_code == 200  # the first request's end gave its slot back
 
 
 def cached_tokens(server: ServerThread, key: str, prompt: str, **body: Any) -> int:

@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 
 from app.tenants_cli import add_tenants_command
 from config.settings import Settings, SettingsError, load_settings
+from tenancy.tenants import TenantsFileError
 
 SubcommandRegistrar = Callable[["argparse._SubParsersAction[argparse.ArgumentParser]"], None]
 
@@ -96,7 +97,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.handler(args))
-    except SettingsError as exc:
+    except (SettingsError, TenantsFileError) as exc:
         print(f"fairlane: {exc}", file=sys.stderr)
         return 2
 

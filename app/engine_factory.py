@@ -41,6 +41,7 @@ def tenants_of(settings: Settings) -> TenantRegistry:
 
 def build_engine(settings: Settings, loaded: LoadedModel | None = None,
                  tenants: TenantRegistry | None = None) -> tuple[Engine, ModelRunner]:
+    tenants = tenants or tenants_of(settings)  # a bad tenants file stops start-up before the model loads
     runner = build_runner(settings, loaded or load_model_for(settings))
-    scheduler = Scheduler(scheduler_config_of(settings), runner.geometry, tenants or tenants_of(settings))
+    scheduler = Scheduler(scheduler_config_of(settings), runner.geometry, tenants)
     return Engine(scheduler, runner, max_queued_requests=settings.max_queued_requests), runner

@@ -29,11 +29,12 @@ from app.context import ServingContext
 from app.errors import APIError, api_error_handler, http_exception_handler, unexpected_error_handler
 from app.observability import Observability
 from app.routes import CLIENT_CLOSED_STATUS, SHUTTING_DOWN, OpenAIRoutes
+from config.settings import Settings
 
 logger = logging.getLogger(__name__)
 
 SERVE_FLAG_KEYS = ("host", "port", "served_model_name", "shutdown_grace_s", "max_body_bytes",
-                   "default_max_tokens")
+                   "default_max_tokens", "tenants_file")
 # After the drain every generation has ended; this only bounds clients too slow to read their last bytes.
 CLOSE_TIMEOUT_S = 5
 
@@ -135,7 +136,13 @@ def add_serve_command(subparsers: argparse._SubParsersAction[argparse.ArgumentPa
     parser.add_argument("--shutdown-grace-s", type=float, help="seconds running requests get on SIGTERM")
     parser.add_argument("--max-body-bytes", type=int, help="larger request bodies get 413")
     parser.add_argument("--default-max-tokens", type=int, help="max_tokens when a request gives none")
+    parser.add_argument("--tenants", dest="tenants_file", help="a tenants TOML file: API keys, weights, limits")
     parser.set_defaults(handler=run_serve)
+
+
+def warn_if_unauthenticated(settings: Settings) -> None:
+    if settings.tenants_file is None:
+        logger.warning("no tenants file: every caller is the tenant 'default', without authentication")
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -143,6 +150,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     settings = settings_from_args(args, SERVE_FLAG_KEYS)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    warn_if_unauthenticated(settings)
     engine, runner = build_engine(settings)
     context = ServingContext(settings, engine, runner.loaded.tokenizer)
     DrainingServer(uvicorn_config(context), context).run()

@@ -27,3 +27,23 @@ def test_serve_flags_reach_the_settings() -> None:
 
     assert (settings.model, settings.port, settings.max_num_seqs) == ("builtin:tiny", 0, 8)
     assert (settings.shutdown_grace_s, settings.default_max_tokens) == (1.5, 32)
+
+
+def test_a_malformed_tenants_file_is_named_at_start_up(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    tenants = tmp_path / "tenants.toml"
+    tenants.write_text('[[tenants]]\nid = "acme"\nweight = 1\n\n[[tenants]]\nid = "beta"\nweight = -2\n')
+
+    assert main(["serve", "--model", "builtin:tiny", "--port", "0", "--tenants", str(tenants)]) == 2
+    error = capsys.readouterr().err
+    assert "tenants[1] (id 'beta')" in error and "'weight'" in error
+
+
+def test_serving_without_a_tenants_file_warns(caplog: pytest.LogCaptureFixture) -> None:
+    from app.server import warn_if_unauthenticated
+    from config.settings import load_settings
+
+    with caplog.at_level("WARNING", logger="app.server"):
+        warn_if_unauthenticated(load_settings(environ={}, overrides={"tenants_file": "tenants.toml"}))
+        assert not caplog.records
+        warn_if_unauthenticated(load_settings(environ={}))
+    assert "without authentication" in caplog.records[0].getMessage()

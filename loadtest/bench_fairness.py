@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import random
 import zlib
 from collections import Counter, defaultdict, deque
@@ -31,6 +30,7 @@ from typing import Any
 
 from gpu.plan import CacheGeometry, StepPlan, StepResult
 from loadtest.bench_common import format_table
+from loadtest.stats import jain_index, percentile_or_nan
 from scheduling.request import Request, RequestId
 from scheduling.scheduler import Scheduler, SchedulerConfig
 from tenancy.tenants import Tenant, TenantId, TenantRegistry
@@ -159,12 +159,6 @@ class SystemRun:
         return jain_index([self.window_service[t] / self.weights[t] for t in self.backlogged])
 
 
-def jain_index(values: Sequence[float]) -> float:
-    """(sum x)^2 / (n * sum x^2): 1 when all are equal, 1/n when one has everything."""
-    square_sum = sum(x * x for x in values)
-    return sum(values) ** 2 / (len(values) * square_sum) if square_sum else 1.0
-
-
 @dataclass(slots=True)
 class _Replay:
     """The loop of one system: admit arrivals that are due, step, record."""
@@ -283,18 +277,12 @@ def run_systems(options: FairnessBenchOptions) -> dict[str, SystemRun]:
     }
 
 
-def percentile(values: Sequence[float], fraction: float) -> float:
-    """Nearest rank; NaN for no values."""
-    ordered = sorted(values)
-    return ordered[max(0, math.ceil(fraction * len(ordered)) - 1)] if ordered else math.nan
-
-
 def summarize(run: SystemRun) -> dict[str, Any]:
     total = sum(run.arrival_service.values()) or 1.0
     tenants = {
         t: {"weight": w, "share_of_service": run.arrival_service[t] / total, "requests_rejected": run.rejected[t],
-            "requests_served": len(run.ttft.get(t, [])), "ttft_p50_s": percentile(run.ttft.get(t, []), 0.5),
-            "ttft_p99_s": percentile(run.ttft.get(t, []), 0.99)}
+            "requests_served": len(run.ttft.get(t, [])), "ttft_p50_s": percentile_or_nan(run.ttft.get(t, []), 50),
+            "ttft_p99_s": percentile_or_nan(run.ttft.get(t, []), 99)}
         for t, w in run.weights.items()}
     return {"tenants": tenants, "backlogged": run.backlogged, "jain_index": run.jain,
             "throughput_tokens_per_s": run.num_tokens / run.makespan_s if run.makespan_s else 0.0,

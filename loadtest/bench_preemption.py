@@ -35,6 +35,7 @@ from typing import Any
 from app.cli import MODEL_FLAG_KEYS, add_model_flags
 from config.settings import MiB, Settings, load_settings
 from loadtest.bench_common import BenchRequest, format_table
+from loadtest.stats import percentile
 from scheduling.engine import Engine, RequestStream
 from scheduling.request import PriorityClass, Request, RequestId
 
@@ -222,17 +223,6 @@ def run_all(overrides: dict[str, Any], traffic: Traffic, config_file: str | None
 
 
 # ---- the report ----------------------------------------------------------------------------------
-
-
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """Linear interpolation between closest ranks; None for no values."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    rank = (len(ordered) - 1) * q / 100
-    low = int(rank)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
 
 
 def summarize(trace: RunTrace) -> dict[str, Any]:

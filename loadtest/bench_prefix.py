@@ -21,6 +21,7 @@ from typing import Any
 from app.cli import add_model_flags, settings_from_args
 from config.settings import Settings
 from loadtest.bench_common import format_table
+from loadtest.stats import percentile_or_nan as percentile
 from scheduling.engine import Engine
 from scheduling.request import Request, RequestId
 
@@ -45,14 +46,6 @@ def make_prefix_workload(num_requests: int, system_len: int, seed: int, max_toke
     system = [rng.randrange(256) for _ in range(system_len)]
     questions = [[rng.randrange(256) for _ in range(rng.randint(16, 48))] for _ in range(num_requests)]
     return PrefixWorkload(system, questions, max_tokens)
-
-
-def percentile(values: list[float], q: float) -> float:
-    """Nearest-rank percentile; 0 for no values."""
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * len(ordered) + 0.5) - 1))]
 
 
 async def one_request(engine: Engine, request_id: str, prompt: list[int], max_tokens: int) -> Outcome:

@@ -17,6 +17,7 @@ from typing import Any
 
 from loadtest.client import DROPPED, OK, RequestRecord
 from loadtest.scenarios import RunResult
+from loadtest.stats import jain_index, percentile
 from loadtest.workload import BATCH_API
 
 PERCENTILES = (50, 90, 99)
@@ -25,29 +26,10 @@ MIN_BUCKET_S = 0.5
 SERVER_COUNTERS = ("requests_finished", "requests_aborted")
 
 
-def percentile(values: Sequence[float], p: float) -> float | None:
-    """The p-th percentile, interpolated between the closest ranks; None for no values."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    rank = (len(ordered) - 1) * p / 100
-    low = int(rank)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
-
-
 def latency(values: Sequence[float]) -> dict[str, float | int | None]:
     summary: dict[str, float | int | None] = {"n": len(values)}
     summary |= {f"p{p}": percentile(values, p) for p in PERCENTILES}
     return summary
-
-
-def jain_index(values: Sequence[float]) -> float | None:
-    """(sum x)^2 / (n * sum x^2): 1 when all are equal, 1/n when one gets everything."""
-    if len(values) < 2:
-        return None
-    squares = sum(x * x for x in values)
-    return sum(values) ** 2 / (len(values) * squares) if squares else None
 
 
 def group_summary(records: Sequence[RequestRecord], wall_s: float) -> dict[str, Any]:

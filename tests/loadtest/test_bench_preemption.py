@@ -9,7 +9,8 @@ from typing import Any
 import pytest
 
 from app.cli import main
-from loadtest.bench_preemption import RUNS, Traffic, interactive_arrivals, judge, percentile
+from loadtest.bench_preemption import RUNS, Traffic, interactive_arrivals, judge
+from loadtest.stats import percentile
 
 TRAFFIC_FLAGS = ["--seed", "5", "--duration", "1.5", "--interactive-rate", "4", "--interactive-prompt-len", "16:40",
                  "--interactive-output-len", "4:10", "--batch-prompt-len", "16:32", "--batch-output-len", "16:32",

@@ -14,8 +14,8 @@ import pytest
 from gpu.models import LoadedModel
 from loadtest.__main__ import main
 from loadtest.client import RequestRecord, is_loopback_url, send_chat, settle, sse_data
-from loadtest.report import jain_index, percentile
 from loadtest.scenarios import SCENARIOS, RunConfig, split_rate
+from loadtest.stats import jain_index, percentile
 from loadtest.tenants import main as tenants_main
 from loadtest.workload import ChatRequest, LoadTenant, LoadTenantsError, load_tenants
 from tenancy.tenants import load_tenants as load_server_tenants

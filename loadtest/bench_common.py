@@ -65,13 +65,6 @@ class SystemResult:
         return {**summary, "tokens_per_s": self.tokens_per_s, "peak_rss_mib": self.peak_rss_bytes / MiB,
                 **self.extra}
 
-    @classmethod
-    def from_json(cls, name: str, data: dict[str, Any], outputs: list[list[int]]) -> SystemResult:
-        known = ("wall_seconds", "num_output_tokens", "peak_rss_bytes", "tokens_per_s", "peak_rss_mib")
-        extra = {k: v for k, v in data.items() if k not in known}
-        return cls(name, float(data["wall_seconds"]), int(data["num_output_tokens"]),
-                   int(data["peak_rss_bytes"]), outputs, extra)
-
 
 def peak_rss_bytes(who: int = resource.RUSAGE_SELF) -> int:
     """Peak resident set size so far (ru_maxrss is KiB on Linux, bytes on macOS)."""
@@ -90,6 +83,17 @@ def exact_match_fraction(ours: Sequence[Sequence[int]], theirs: Sequence[Sequenc
     same = sum(list(a[:r.num_output_tokens]) == list(b[:r.num_output_tokens])
                for a, b, r in zip(ours, theirs, workload, strict=True))
     return same / len(workload) if workload else 0.0
+
+
+def common_prefix_fraction(ours: Sequence[Sequence[int]], theirs: Sequence[Sequence[int]],
+                           workload: Sequence[BenchRequest]) -> float:
+    """Mean share of each request's tokens generated before the two systems first differ."""
+    def shared(a: Sequence[int], b: Sequence[int], length: int) -> int:
+        return next((i for i in range(length) if i >= len(a) or i >= len(b) or a[i] != b[i]), length)
+
+    shares = [shared(a, b, r.num_output_tokens) / r.num_output_tokens
+              for a, b, r in zip(ours, theirs, workload, strict=True) if r.num_output_tokens]
+    return sum(shares) / len(shares) if shares else 0.0
 
 
 def format_table(rows: Sequence[Sequence[str]]) -> str:

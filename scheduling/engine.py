@@ -7,6 +7,7 @@ one worker thread so the event loop stays free; an idle engine waits on an event
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -93,6 +94,8 @@ class Engine:
         self._incoming: list[Request] = []
         self._to_finish: list[tuple[RequestId, RequestStatus]] = []
         self._wake = asyncio.Event()
+        self._idle = asyncio.Event()  # set while no request is in flight
+        self._idle.set()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fairlane-step")
         self._task: asyncio.Task[None] | None = None
         self._accepting = True
@@ -113,6 +116,7 @@ class Engine:
         self.scheduler.check_admissible(request.num_prompt_tokens, request.max_tokens)
         stream = RequestStream(self, request)
         self._streams[request.request_id] = stream
+        self._idle.clear()
         self._incoming.append(request)
         self._wake.set()
         return stream
@@ -131,9 +135,8 @@ class Engine:
 
     async def wait_idle(self, timeout: float) -> bool:
         """Wait until every request has ended; False if some are still going after timeout."""
-        deadline = time.monotonic() + timeout
-        while self._streams and time.monotonic() < deadline:
-            await asyncio.sleep(0.02)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._idle.wait(), timeout)
         return not self._streams
 
     async def shutdown(self, message: str = "the server is shutting down") -> None:
@@ -220,6 +223,8 @@ class Engine:
                 continue
             if event.is_final:
                 del self._streams[event.request_id]
+                if not self._streams:
+                    self._idle.set()
             stream.push(event)
             self._observe(stream.request, event, now)
 

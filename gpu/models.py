@@ -155,5 +155,14 @@ def load_model(spec: str, *, device: str = "auto", dtype: str = "auto", seed: in
     else:
         model, tokenizer = load_checkpoint(Path(spec), torch_dtype)
     model = model.to(device=torch_device, dtype=torch_dtype)
-    max_len = int(getattr(model.config, "max_position_embeddings", 2048))
-    return LoadedModel(spec, model, tokenizer, max_len, torch_dtype, torch_device)
+    return LoadedModel(spec, model, tokenizer, context_length_of(model.config), torch_dtype, torch_device)
+
+
+def context_length_of(config: Any) -> int:
+    """The longest context served. The paged attention attends to the whole context, so a model with
+    a sliding window (Mistral's) is served up to its window, where both agree."""
+    max_len = int(getattr(config, "max_position_embeddings", 2048))
+    window = getattr(config, "sliding_window", None)
+    if isinstance(window, int) and window > 0 and getattr(config, "use_sliding_window", True):
+        max_len = min(max_len, window)
+    return max_len

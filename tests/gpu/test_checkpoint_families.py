@@ -14,7 +14,7 @@ from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import Whitespace
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, PreTrainedTokenizerFast, Qwen2Config
 
-from gpu.models import load_model
+from gpu.models import context_length_of, load_model
 from scheduling.request import Request, RequestId
 from tests.factories import collect, make_engine, running, tokens_of
 
@@ -62,3 +62,9 @@ async def test_checkpoint_directory_matches_transformers(family: str, tmp_path: 
                    for i, prompt in enumerate(PROMPTS)]
         outputs = [tokens_of(events) for events in await asyncio.gather(*(collect(s) for s in streams))]
     assert outputs == [reference_tokens(reference, prompt) for prompt in PROMPTS]
+
+
+def test_a_sliding_window_caps_the_context() -> None:
+    assert context_length_of(MistralConfig(**SHAPE, sliding_window=128)) == 128
+    assert context_length_of(MistralConfig(**SHAPE, sliding_window=None)) == 512
+    assert context_length_of(Qwen2Config(**SHAPE, sliding_window=128, use_sliding_window=False)) == 512

@@ -5,11 +5,13 @@ Torch-free: the systems under test import their own stacks; this module only des
 
 from __future__ import annotations
 
+import json
 import random
 import resource
 import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 KiB = 1024
@@ -94,6 +96,14 @@ def common_prefix_fraction(ours: Sequence[Sequence[int]], theirs: Sequence[Seque
     shares = [shared(a, b, r.num_output_tokens) / r.num_output_tokens
               for a, b, r in zip(ours, theirs, workload, strict=True) if r.num_output_tokens]
     return sum(shares) / len(shares) if shares else 0.0
+
+
+def write_report(out: str | None, document: Any) -> None:
+    """The benchmark's JSON report at --out, if one was asked for."""
+    if out:
+        path = Path(out)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(document, indent=2) + "\n")
 
 
 def format_table(rows: Sequence[Sequence[str]]) -> str:

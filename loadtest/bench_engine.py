@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib.metadata
-import json
 import multiprocessing
 import os
 import platform
@@ -25,7 +24,6 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from app.cli import add_model_flags, settings_from_args
@@ -41,6 +39,7 @@ from loadtest.bench_common import (
     format_table,
     make_workload,
     peak_rss_bytes,
+    write_report,
 )
 
 SYSTEMS = ("fairlane", "hf_static", "hf_continuous")
@@ -336,8 +335,5 @@ def options_from_args(args: argparse.Namespace) -> EngineBenchOptions:
 def run_command(args: argparse.Namespace) -> int:
     report = run_benchmark(options_from_args(args))
     print(render_table(report))
-    if args.out:
-        path = Path(args.out)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(report, indent=2) + "\n")
+    write_report(args.out, report)
     return 0

@@ -19,7 +19,6 @@ TTFT runs from arrival to the end of the step that sampled the first token.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import zlib
 from collections import Counter, defaultdict, deque
@@ -29,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from gpu.plan import CacheGeometry, StepPlan, StepResult
-from loadtest.bench_common import format_table
+from loadtest.bench_common import format_table, write_report
 from loadtest.stats import jain_index, percentile_or_nan
 from scheduling.request import Request, RequestId
 from scheduling.scheduler import Scheduler, SchedulerConfig
@@ -381,10 +380,7 @@ def run_command(args: argparse.Namespace) -> int:
     runs = run_systems(options)
     report = build_report(options, runs)
     print(render_table(report))
-    if args.out:
-        path = Path(args.out)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(report, indent=2) + "\n")
+    write_report(args.out, report)
     if args.plot:
         plot_cumulative_service(runs, Path(args.plot), options.workload.duration_s)
     return 0

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
-import json
 import random
 import time
 from collections.abc import Iterator, Sequence
@@ -34,7 +33,7 @@ from typing import Any
 
 from app.cli import MODEL_FLAG_KEYS, add_model_flags
 from config.settings import MiB, Settings, load_settings
-from loadtest.bench_common import BenchRequest, format_table
+from loadtest.bench_common import BenchRequest, format_table, write_report
 from loadtest.stats import percentile
 from scheduling.engine import Engine, RequestStream
 from scheduling.request import PriorityClass, Request, RequestId
@@ -399,10 +398,7 @@ def run_command(args: argparse.Namespace) -> int:
     settings, traces = run_all(overrides, traffic, getattr(args, "config", None))
     report = build_report(settings, traffic, traces)
     print(render_table(report))
-    if args.out:
-        path = Path(args.out)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(report, indent=2) + "\n")
+    write_report(args.out, report)
     if args.plot:
         plot_timeline(report, Path(args.plot))
     return 0

@@ -10,17 +10,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import statistics
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from app.cli import add_model_flags, settings_from_args
 from config.settings import Settings
-from loadtest.bench_common import format_table
+from loadtest.bench_common import format_table, write_report
 from loadtest.stats import percentile_or_nan as percentile
 from scheduling.engine import Engine
 from scheduling.request import Request, RequestId
@@ -130,9 +128,7 @@ def run_bench(args: argparse.Namespace) -> int:
     document = {"model": settings.model, "requests": args.requests, "system_tokens": args.system_tokens,
                 "concurrency": args.concurrency, "max_tokens": args.max_tokens, "systems": results,
                 "ratios": ratios}
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(document, indent=2))
+    write_report(args.out, document)
     return 0
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import platform
 import re
@@ -23,13 +22,12 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
 import httpx
 import psutil
 
-from loadtest.bench_common import format_table
+from loadtest.bench_common import format_table, write_report
 
 MiB = 1024 * 1024
 MODEL_NAME = "instant"
@@ -256,9 +254,7 @@ def run_command(args: argparse.Namespace) -> int:
                                  args.max_tokens, modes)
     results = run_bench(options)
     print(results_table(results))
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(report_json(options, results), indent=2) + "\n")
+    write_report(args.out, report_json(options, results))
     return 0
 
 

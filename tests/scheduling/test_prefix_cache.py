@@ -13,6 +13,7 @@ from gpu.runner import ModelRunner, RunnerBudget
 from scheduling.engine import Engine
 from scheduling.request import Request, RequestId, TokenEvent
 from scheduling.scheduler import Scheduler, SchedulerConfig
+from tests.factories import wait_until
 
 BLOCK = 16
 
@@ -94,7 +95,7 @@ async def test_later_request_reuses_blocks_the_first_already_filled(make_engine:
     prompt = tokens(rng, 120)
     engine = make_engine(token_budget=32)  # the first prompt takes four steps to prefill
     first = asyncio.create_task(run(engine, "first", [*prompt, 1]))
-    await asyncio.wait_for(_until(lambda: engine.scheduler.blocks.device.num_cached >= 4), 10)
+    await wait_until(lambda: engine.scheduler.blocks.device.num_cached >= 4, what="the first prompt's blocks")
     _, second = await run(engine, "second", [*prompt, 2])
     await first
     assert second.num_cached_tokens >= 64
@@ -113,8 +114,3 @@ async def test_eviction_under_pressure_keeps_outputs_and_blocks(make_engine: Eng
     assert stats["kv_blocks_in_use"] == 0
     assert small.scheduler.blocks.device.num_free == stats["kv_blocks_total"]
     assert stats["prefix_cache"]["cached_blocks"] <= stats["kv_blocks_total"]
-
-
-async def _until(condition: Callable[[], bool]) -> None:
-    while not condition():
-        await asyncio.sleep(0.005)

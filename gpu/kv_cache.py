@@ -40,10 +40,9 @@ class PagedKVCache:
         self.num_device_blocks = num_device_blocks
         self.num_cpu_blocks = num_cpu_blocks
 
-    def layer_slots(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of one layer as `[num_blocks * block_size, kv_heads, head_dim]` views (slot-indexed)."""
-        flat = (-1, self.shape.num_kv_heads, self.shape.head_dim)
-        return self.device_pool[layer, 0].view(flat), self.device_pool[layer, 1].view(flat)
+    def layer_blocks(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of one layer as `[num_blocks, block_size, kv_heads, head_dim]` views."""
+        return self.device_pool[layer, 0], self.device_pool[layer, 1]
 
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
         """Copy device blocks to CPU blocks, all layers at once. pairs: (device block, cpu block)."""

@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import psutil
 import torch
 
-from gpu.attention import ATTENTION_NAME, PagedMetadata, PrefillChunk
+from gpu.attention import ATTENTION_NAME
 from gpu.kv_cache import KVShape, PagedKVCache
 from gpu.models import LoadedModel
 from gpu.plan import CacheGeometry, ScheduledSequence, StepPlan, StepResult
 from gpu.sampler import Sampler
+from gpu.step_inputs import build_step_inputs, decodes_first
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True, frozen=True)
@@ -20,10 +25,28 @@ class RunnerBudget:
     """The memory the runner may take, in bytes, and the block size."""
 
     block_size: int
-    kv_cache_bytes: int
+    kv_cache_bytes: int | None  # None: kv_cache_memory_fraction of the memory free now
     swap_space_bytes: int
     max_model_len: int | None = None
     seed: int = 0
+    kv_cache_memory_fraction: float = 0.25
+    max_num_seqs: int = 64  # the automatic pool never holds more than this many full-length sequences
+
+
+def free_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    return int(psutil.virtual_memory().available)
+
+
+def kv_pool_bytes(budget: RunnerBudget, bytes_per_block: int, max_model_len: int, device: torch.device) -> int:
+    """The bytes setting when given; else a share of the free memory (as vLLM sizes its pool from the
+    device memory left after loading), capped at what max_num_seqs sequences of max_model_len need."""
+    if budget.kv_cache_bytes is not None:
+        return budget.kv_cache_bytes
+    share = int(budget.kv_cache_memory_fraction * free_memory_bytes(device))
+    blocks_per_sequence = -(-max_model_len // budget.block_size)
+    return min(share, budget.max_num_seqs * blocks_per_sequence * bytes_per_block)
 
 
 def kv_shape_of(loaded: LoadedModel, block_size: int) -> KVShape:
@@ -43,10 +66,14 @@ class ModelRunner:
         self.device = loaded.device
         shape = kv_shape_of(loaded, budget.block_size)
         self.block_size = budget.block_size
-        self.cache = PagedKVCache(shape, budget.kv_cache_bytes // shape.bytes_per_block,
-                                  budget.swap_space_bytes // shape.bytes_per_block, self.device)
-        self.sampler = Sampler(self.device, budget.seed)
         max_len = min(loaded.max_model_len, budget.max_model_len or loaded.max_model_len)
+        pool_bytes = kv_pool_bytes(budget, shape.bytes_per_block, max_len, self.device)
+        self.cache = PagedKVCache(shape, pool_bytes // shape.bytes_per_block,
+                                  budget.swap_space_bytes // shape.bytes_per_block, self.device)
+        logger.info("KV pool: %d blocks of %d tokens, %d tokens in all (%.0f MiB of %s)",
+                    self.cache.num_device_blocks, self.block_size, self.cache.num_device_blocks * self.block_size,
+                    self.cache.num_device_blocks * shape.bytes_per_block / 2**20, shape.dtype)
+        self.sampler = Sampler(self.device, budget.seed)
         self._geometry = CacheGeometry(self.cache.num_device_blocks, self.cache.num_cpu_blocks,
                                        budget.block_size, shape.bytes_per_block, max_len)
 
@@ -76,78 +103,8 @@ class ModelRunner:
     def compute_logits(self, sequences: Sequence[ScheduledSequence]) -> torch.Tensor:
         """One packed forward. Returns float32 logits, one row per sequence that needs a sample,
         in the order given. Sequences of one token must come first (see `decodes_first`)."""
-        input_ids, positions, keep = packed_inputs(sequences, self.device)
-        meta = self._metadata(sequences)
-        output = self.model(input_ids=input_ids, position_ids=positions, logits_to_keep=keep,
-                            use_cache=False, paged_metadata=meta)
+        step = build_step_inputs(sequences, self.cache)
+        output = self.model(input_ids=step.input_ids, position_ids=step.positions,
+                            logits_to_keep=step.logits_indices, use_cache=False, paged_metadata=step.metadata)
         logits: torch.Tensor = output.logits[0].float()
         return logits
-
-    def _metadata(self, sequences: Sequence[ScheduledSequence]) -> PagedMetadata:
-        num_decodes = sum(1 for s in sequences if len(s.token_ids) == 1)
-        decode_slots, decode_mask, max_ctx = self._decode_layout(sequences[:num_decodes])
-        meta = PagedMetadata(self.cache, self._slot_mapping(sequences), num_decodes, decode_slots,
-                             decode_mask, max_ctx)
-        query_start = num_decodes
-        for seq in sequences[num_decodes:]:
-            meta.prefills.append(self._prefill_chunk(seq, query_start))
-            query_start += len(seq.token_ids)
-        return meta
-
-    def _slot_mapping(self, sequences: Sequence[ScheduledSequence]) -> torch.Tensor:
-        bs = self.block_size
-        slots = [
-            seq.block_table[pos // bs] * bs + pos % bs
-            for seq in sequences
-            for pos in range(seq.start_position, seq.start_position + len(seq.token_ids))
-        ]
-        return torch.tensor(slots, dtype=torch.long, device=self.device)
-
-    def _context_slots(self, block_tables: list[list[int]], context_len: int) -> torch.Tensor:
-        """[len(block_tables), context_len] slot of every context position through each block table."""
-        width = max(len(t) for t in block_tables)
-        tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], device=self.device)
-        positions = torch.arange(context_len, device=self.device)
-        return tables[:, positions // self.block_size] * self.block_size + positions % self.block_size
-
-    def _decode_layout(self, decodes: Sequence[ScheduledSequence]
-                       ) -> tuple[torch.Tensor | None, torch.Tensor | None, int]:
-        if not decodes:
-            return None, None, 0
-        lengths = torch.tensor([s.start_position + 1 for s in decodes], device=self.device)
-        max_ctx = int(lengths.max())
-        slots = self._context_slots([s.block_table for s in decodes], max_ctx)
-        mask = torch.arange(max_ctx, device=self.device)[None, :] < lengths[:, None]
-        return slots.reshape(-1), mask[:, None, None, :], max_ctx
-
-    def _prefill_chunk(self, seq: ScheduledSequence, query_start: int) -> PrefillChunk:
-        num_queries = len(seq.token_ids)
-        if seq.start_position == 0:
-            return PrefillChunk(query_start, num_queries, num_queries, None, None)
-        context_len = seq.start_position + num_queries
-        slots = self._context_slots([seq.block_table], context_len)[0]
-        query_positions = seq.start_position + torch.arange(num_queries, device=self.device)
-        mask = torch.arange(context_len, device=self.device)[None, :] <= query_positions[:, None]
-        return PrefillChunk(query_start, num_queries, context_len, slots, mask)
-
-
-def decodes_first(sequences: Sequence[ScheduledSequence]) -> list[ScheduledSequence]:
-    """The packed layout the attention expects: single-token sequences, then multi-token chunks."""
-    return sorted(sequences, key=lambda s: len(s.token_ids) > 1)
-
-
-def packed_inputs(sequences: Sequence[ScheduledSequence], device: torch.device
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """input ids and positions as [1, total_tokens], and the index of each sampled sequence's last token."""
-    ids: list[int] = []
-    positions: list[int] = []
-    keep: list[int] = []
-    for seq in sequences:
-        ids.extend(seq.token_ids)
-        positions.extend(range(seq.start_position, seq.start_position + len(seq.token_ids)))
-        if seq.needs_sample:
-            keep.append(len(ids) - 1)
-    def as_tensor(values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.long, device=device)
-
-    return as_tensor(ids)[None], as_tensor(positions)[None], as_tensor(keep)

@@ -9,7 +9,8 @@ import torch
 
 from gpu.models import LoadedModel
 from gpu.plan import StepPlan, StepResult
-from gpu.runner import ModelRunner, decodes_first
+from gpu.runner import ModelRunner
+from gpu.step_inputs import decodes_first
 from scheduling.request import RequestId
 from scheduling.scheduler import Scheduler, SchedulerConfig
 from tests.factories import has_mixed_step, has_split_prefill, make_request, make_runner

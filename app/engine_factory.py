@@ -13,13 +13,14 @@ from tenancy.vtc import ServiceWeights
 
 def load_model_for(settings: Settings) -> LoadedModel:
     return load_model(settings.model, device=settings.device, dtype=settings.dtype, seed=settings.seed,
-                      cache_dir=settings.model_cache_dir)
+                      cache_dir=settings.model_cache_dir, quantization=settings.quantization)
 
 
 def build_runner(settings: Settings, loaded: LoadedModel) -> ModelRunner:
     budget = RunnerBudget(block_size=settings.block_size, kv_cache_bytes=settings.kv_cache_bytes,
                           swap_space_bytes=settings.swap_space_bytes, max_model_len=settings.max_model_len,
-                          seed=settings.seed)
+                          seed=settings.seed, kv_cache_memory_fraction=settings.kv_cache_memory_fraction,
+                          max_num_seqs=settings.max_num_seqs)
     return ModelRunner(loaded, budget)
 
 

@@ -30,14 +30,20 @@ class Settings(BaseModel):
     # Model and device.
     model: str = "smollm2-135m"
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    # auto: bfloat16 on CUDA and on a CPU with native bfloat16 math (AMX or AVX512-BF16), else float32
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    # Weight-only quantization of every linear layer, the LM head included (activations keep the dtype).
+    quantization: Literal["none", "int8", "int4"] = "none"
     seed: int = 0
     model_cache_dir: str = "./data/models"
     max_model_len: int | None = Field(default=None, ge=16)
 
     # KV cache and swap.
     block_size: int = Field(default=16, ge=1, le=256)
-    kv_cache_bytes: int = Field(default=256 * MiB, ge=1)
+    kv_cache_bytes: int | None = Field(default=None, ge=1)  # None: kv_cache_memory_fraction of free memory
+    # Of the memory available after the model loads (RAM on CPU, device memory on CUDA), when
+    # kv_cache_bytes is not given; never more than max_num_seqs full-length sequences need.
+    kv_cache_memory_fraction: float = Field(default=0.25, gt=0, le=0.95)
     swap_space_bytes: int = Field(default=512 * MiB, ge=0)
 
     # Scheduling.

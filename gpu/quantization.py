@@ -1,0 +1,117 @@
+"""Weight-only quantization of a model's linear layers, the LM head included, onto torch's packed kernels.
+
+- int8: one symmetric scale per output row; `aten._weight_int8pack_mm`.
+- int4: groups of 32 along the input, a scale and a minimum per group (the layout of GGUF's Q4_1, so a
+  Q4_1 file's weights come back as the same integers); `aten._weight_int4pack_mm_for_cpu` on the
+  CPU, `aten._weight_int4pack_mm` on CUDA.
+
+Activations stay in the model's dtype; only the weights are stored in fewer bits, which is what
+decides a decode step's time (every weight is read once per step). A layer whose shape a kernel
+cannot take keeps its float weight.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+Quantization = Literal["none", "int8", "int4"]
+INT4_GROUP_SIZE = 32
+INT4_INNER_K_TILES = 8  # CUDA packing parameter; the CPU packing takes 1
+INT4_ROW_MULTIPLE = 64  # output rows the packed int4 kernels tile by
+
+
+class Int8WeightOnlyLinear(nn.Module):
+    """y = x @ (q * scale)^T (+ bias), q int8 per output row."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        weight = linear.weight.detach().float()
+        scales = weight.abs().amax(dim=1).clamp(min=1e-12) / 127.0
+        quantized = torch.round(weight / scales[:, None]).clamp(-127, 127).to(torch.int8)
+        self.register_buffer("weight_int8", quantized)
+        self.register_buffer("scales", scales.to(linear.weight.dtype))
+        self.bias = linear.bias
+        self.out_features = linear.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        out: torch.Tensor = torch.ops.aten._weight_int8pack_mm(flat, self.weight_int8, self.scales)
+        out = out.view(*x.shape[:-1], self.out_features)
+        return out if self.bias is None else out + self.bias
+
+
+def int4_groups(weight: torch.Tensor, group_size: int = INT4_GROUP_SIZE
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric min-max quantization per group: (q in 0..15 [N, K], scales [N, K/g], minimums [N, K/g]),
+    with weight ~= q * scale + minimum."""
+    rows, cols = weight.shape
+    groups = weight.float().reshape(rows, cols // group_size, group_size)
+    minimums = groups.amin(dim=-1)
+    scales = ((groups.amax(dim=-1) - minimums) / 15.0).clamp(min=1e-12)
+    q = torch.round((groups - minimums[..., None]) / scales[..., None]).clamp(0, 15).to(torch.int32)
+    return q.reshape(rows, cols), scales, minimums
+
+
+class Int4WeightOnlyLinear(nn.Module):
+    """y = x @ W^T (+ bias) with W stored as 4-bit groups; the kernel computes (q - 8) * scale + zero."""
+
+    def __init__(self, linear: nn.Linear, group_size: int = INT4_GROUP_SIZE) -> None:
+        super().__init__()
+        q, scales, minimums = int4_groups(linear.weight.detach(), group_size)
+        zeros = minimums + 8.0 * scales
+        dtype = linear.weight.dtype
+        self.register_buffer("packed", _pack_int4(q, linear.weight.device))
+        # [K/g, N, 2]: the kernels' layout of a group's (scale, zero)
+        self.register_buffer("scales_and_zeros", torch.stack([scales, zeros], dim=-1).transpose(0, 1)
+                             .contiguous().to(dtype))
+        self.group_size = group_size
+        self.bias = linear.bias
+        self.out_features = linear.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        out: torch.Tensor
+        if flat.is_cuda:
+            out = torch.ops.aten._weight_int4pack_mm(flat, self.packed, self.group_size, self.scales_and_zeros)
+        else:
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, self.group_size,
+                                                             self.scales_and_zeros)
+        out = out.view(*x.shape[:-1], self.out_features)
+        return out if self.bias is None else out + self.bias
+
+
+def _pack_int4(q: torch.Tensor, device: torch.device) -> torch.Tensor:
+    packed: torch.Tensor
+    if device.type == "cuda":
+        nibbles = (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8)
+        packed = torch.ops.aten._convert_weight_to_int4pack(nibbles, INT4_INNER_K_TILES)
+    else:
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+    return packed
+
+
+def fits_kernel(linear: nn.Linear, mode: Quantization) -> bool:
+    if mode == "int4":
+        return linear.in_features % INT4_GROUP_SIZE == 0 and linear.out_features % INT4_ROW_MULTIPLE == 0
+    return True
+
+
+def quantize_linears(model: Any, mode: Quantization) -> int:
+    """Replace every nn.Linear of the model (the LM head included) in place; returns how many were."""
+    if mode == "none":
+        return 0
+    replacements = [(name, module) for name, module in model.named_modules() if isinstance(module, nn.Linear)]
+    kept = [name for name, linear in replacements if not fits_kernel(linear, mode)]
+    for name, linear in replacements:
+        if name not in kept:
+            model.set_submodule(name, Int8WeightOnlyLinear(linear) if mode == "int8" else Int4WeightOnlyLinear(linear))
+    if kept:
+        logger.info("%s: %d linear layer(s) keep float weights (shape the kernel cannot take): %s",
+                    mode, len(kept), ", ".join(kept[:4]))
+    return len(replacements) - len(kept)

@@ -1,0 +1,65 @@
+"""Defaults that follow the machine: the KV pool from free memory, bfloat16 where the CPU computes it natively."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from gpu.models import LoadedModel, cpu_has_native_bfloat16, resolve_dtype
+from gpu.runner import ModelRunner, RunnerBudget, kv_pool_bytes, kv_shape_of
+
+CPU = torch.device("cpu")
+
+
+def budget(**overrides: object) -> RunnerBudget:
+    values: dict[str, object] = {"block_size": 16, "kv_cache_bytes": None, "swap_space_bytes": 0}
+    return RunnerBudget(**{**values, **overrides})  # type: ignore[arg-type]
+
+
+def test_a_given_byte_budget_is_kept() -> None:
+    assert kv_pool_bytes(budget(kv_cache_bytes=12345), 1024, 4096, CPU) == 12345
+
+
+def test_the_automatic_pool_is_a_share_of_free_memory() -> None:
+    before = psutil.virtual_memory().available
+    got = kv_pool_bytes(budget(kv_cache_memory_fraction=0.01, max_num_seqs=10**6), 1024, 4096, CPU)
+    after = psutil.virtual_memory().available
+    assert 0.01 * min(before, after) * 0.9 <= got <= 0.01 * max(before, after) * 1.1
+
+
+def test_the_automatic_pool_holds_no_more_than_max_num_seqs_full_sequences() -> None:
+    got = kv_pool_bytes(budget(kv_cache_memory_fraction=0.5, max_num_seqs=3), 1000, 100, CPU)
+    assert got == 3 * 7 * 1000  # 100 tokens take 7 blocks of 16
+
+
+def test_a_runner_without_a_byte_budget_sizes_its_pool(tiny_model: LoadedModel, caplog: pytest.LogCaptureFixture
+                                                       ) -> None:
+    caplog.set_level("INFO", logger="gpu.runner")
+    runner = ModelRunner(tiny_model, budget(max_num_seqs=2, max_model_len=256))
+    assert runner.geometry.num_device_blocks == 2 * 256 // 16
+    assert runner.geometry.bytes_per_block == kv_shape_of(tiny_model, 16).bytes_per_block
+    assert "512 tokens in all" in caplog.text
+
+
+@pytest.mark.parametrize(("flags", "native"), [
+    ("fpu sse avx2 avx512f amx_bf16 amx_tile", True),
+    ("fpu sse avx2 avx512f avx512_bf16", True),
+    ("fpu sse avx2 avx512f", False),
+])
+def test_native_bfloat16_is_read_from_the_cpu_flags(tmp_path: Path, flags: str, native: bool) -> None:
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text(f"processor\t: 0\nmodel name\t: Some CPU\nflags\t\t: {flags}\n")
+    assert cpu_has_native_bfloat16(str(cpuinfo)) is native
+
+
+def test_without_cpuinfo_there_is_no_native_bfloat16(tmp_path: Path) -> None:
+    assert not cpu_has_native_bfloat16(str(tmp_path / "missing"))
+
+
+def test_explicit_dtypes_win_over_the_machine() -> None:
+    assert resolve_dtype("float32", CPU) is torch.float32
+    assert resolve_dtype("bfloat16", CPU) is torch.bfloat16
+    assert resolve_dtype("auto", CPU) is (torch.bfloat16 if cpu_has_native_bfloat16() else torch.float32)

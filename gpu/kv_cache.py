@@ -1,4 +1,4 @@
-"""Paged KV memory: a device pool and a CPU swap pool, both `[layers, 2, blocks, block_size, kv_heads, head_dim]`.
+"""Paged KV memory: a device pool and a CPU swap pool, both `[layers, 2, blocks, kv_heads, block_size, head_dim]`.
 
 One tensor per pool, so a swap of many blocks across all layers is a single indexed copy.
 """
@@ -33,7 +33,7 @@ class PagedKVCache:
         self.shape = shape
         self.device = device
         dims = (shape.num_layers, 2)
-        tail = (shape.block_size, shape.num_kv_heads, shape.head_dim)
+        tail = (shape.num_kv_heads, shape.block_size, shape.head_dim)  # head-major blocks: see gpu.attention
         self.device_pool = torch.zeros(*dims, num_device_blocks, *tail, dtype=shape.dtype, device=device)
         self.cpu_pool = torch.zeros(*dims, num_cpu_blocks, *tail, dtype=shape.dtype,
                                     pin_memory=device.type == "cuda")
@@ -41,7 +41,7 @@ class PagedKVCache:
         self.num_cpu_blocks = num_cpu_blocks
 
     def layer_blocks(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of one layer as `[num_blocks, block_size, kv_heads, head_dim]` views."""
+        """K and V of one layer as `[num_blocks, kv_heads, block_size, head_dim]` views."""
         return self.device_pool[layer, 0], self.device_pool[layer, 1]
 
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:

@@ -2,7 +2,8 @@
 
 The runner packs a step as `[1, total_tokens]`: single-token sequences (decodes) first, then
 multi-token chunks. Everything per token (positions, the slot each new K/V goes to) is derived on
-the device from per-sequence numbers; per-sequence Python work is one padded block table.
+the device from per-sequence numbers; per-sequence Python work is one padded block table. The pool
+is head-major within a block (see gpu.attention), so the rows written and read are per (block, head).
 """
 
 from __future__ import annotations
@@ -50,45 +51,57 @@ def build_step_inputs(sequences: Sequence[ScheduledSequence], cache: PagedKVCach
     seq_of_token = torch.repeat_interleave(torch.arange(len(sequences), device=device), query_lens, output_size=total)
     positions = starts[seq_of_token] + torch.arange(total, device=device) - (ends - query_lens)[seq_of_token]
     tables = padded_block_tables(sequences, device)
-    slot_mapping = tables[seq_of_token, positions // block_size] * block_size + positions % block_size
+    blocks = tables[seq_of_token, positions // block_size]
+    heads = torch.arange(cache.shape.num_kv_heads, device=device)[:, None]
+    write_rows = (blocks[None, :] * cache.shape.num_kv_heads + heads) * block_size + positions % block_size
     input_ids = torch.tensor(list(chain.from_iterable(s.token_ids for s in sequences)), dtype=torch.long,
                              device=device)
     sampled = torch.tensor([s.needs_sample for s in sequences], dtype=torch.bool, device=device)
-    metadata = _paged_metadata(sequences, cache, tables, slot_mapping)
+    metadata = _paged_metadata(sequences, cache, tables, write_rows.reshape(-1))
     return StepInputs(input_ids[None], positions[None], (ends - 1)[sampled], metadata)
 
 
 def _paged_metadata(sequences: Sequence[ScheduledSequence], cache: PagedKVCache, tables: torch.Tensor,
-                    slot_mapping: torch.Tensor) -> PagedMetadata:
+                    write_rows: torch.Tensor) -> PagedMetadata:
     num_decodes = sum(1 for s in sequences if len(s.token_ids) == 1)
-    meta = PagedMetadata(cache, slot_mapping, num_decodes)
+    meta = PagedMetadata(cache, write_rows, num_decodes)
     if num_decodes:
-        _add_decode_layout(meta, sequences[:num_decodes], tables[:num_decodes], cache.shape.block_size)
+        _add_decode_layout(meta, sequences[:num_decodes], tables[:num_decodes], cache)
     query_start = num_decodes
     for row, seq in enumerate(sequences[num_decodes:], start=num_decodes):
-        meta.prefills.append(_prefill_chunk(seq, tables[row], query_start, cache.shape.block_size))
+        meta.prefills.append(_prefill_chunk(seq, tables[row], query_start, cache))
         query_start += len(seq.token_ids)
     return meta
 
 
+def context_rows(blocks: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """[..., kv_heads, blocks] pool rows (one per block and head) of the blocks [..., blocks], head-major."""
+    heads = torch.arange(num_kv_heads, device=blocks.device)[:, None]
+    return blocks.unsqueeze(-2) * num_kv_heads + heads
+
+
 def _add_decode_layout(meta: PagedMetadata, decodes: Sequence[ScheduledSequence], tables: torch.Tensor,
-                       block_size: int) -> None:
-    """Whole blocks of every decode's context, padded to the longest, and the mask of real keys."""
+                       cache: PagedKVCache) -> None:
+    """Whole blocks of every decode's context, padded to the longest, and the bias that hides the padding."""
+    block_size = cache.shape.block_size
     lengths = torch.tensor([s.start_position + 1 for s in decodes], device=tables.device)
     num_blocks = -(-int(lengths.max()) // block_size)
-    meta.decode_blocks = tables[:, :num_blocks].reshape(-1)
+    meta.decode_rows = context_rows(tables[:, :num_blocks], cache.shape.num_kv_heads).reshape(-1)
     keys = torch.arange(num_blocks * block_size, device=tables.device)
-    meta.decode_mask = (keys[None, :] < lengths[:, None])[:, None, None, :]
+    hidden = (keys[None, :] >= lengths[:, None])[:, None, None, :]
+    meta.decode_bias = torch.zeros(hidden.shape, device=tables.device).masked_fill(hidden, float("-inf"))
     meta.max_decode_context = num_blocks * block_size
 
 
-def _prefill_chunk(seq: ScheduledSequence, table: torch.Tensor, query_start: int, block_size: int) -> PrefillChunk:
+def _prefill_chunk(seq: ScheduledSequence, table: torch.Tensor, query_start: int, cache: PagedKVCache
+                   ) -> PrefillChunk:
     num_queries = len(seq.token_ids)
     if seq.start_position == 0:  # a fresh prompt: the chunk is all its context, plainly causal
         return PrefillChunk(query_start, num_queries, num_queries, None, None)
     context_len = seq.start_position + num_queries
     device = table.device
-    blocks = table[: -(-context_len // block_size)]
+    blocks = table[: -(-context_len // cache.shape.block_size)]
     query_positions = seq.start_position + torch.arange(num_queries, device=device)
     mask = torch.arange(context_len, device=device)[None, :] <= query_positions[:, None]
-    return PrefillChunk(query_start, num_queries, context_len, blocks, mask)
+    return PrefillChunk(query_start, num_queries, context_len,
+                        context_rows(blocks, cache.shape.num_kv_heads).reshape(-1), mask)

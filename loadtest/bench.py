@@ -10,7 +10,8 @@ def add_bench_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentP
     import importlib
 
     for module_name in ("loadtest.bench_engine", "loadtest.bench_stream", "loadtest.bench_prefix",
-                        "loadtest.bench_fairness", "loadtest.bench_preemption", "loadtest.bench_serve"):
+                        "loadtest.bench_fairness", "loadtest.bench_preemption", "loadtest.bench_quality",
+                        "loadtest.bench_serve"):
         try:
             module = importlib.import_module(module_name)
         except ModuleNotFoundError as exc:

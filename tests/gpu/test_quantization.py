@@ -55,13 +55,16 @@ def test_packed_kernels_track_the_float_layer(kind: type[nn.Module], tolerance: 
     assert relative < tolerance, float(relative)
 
 
-def test_int4_reproduces_a_q4_1_layer_exactly() -> None:
-    """The Q4_1 integers, scales and minimums are what the kernel multiplies by: no second rounding."""
+def test_int4_reproduces_a_q4_1_layer_up_to_bfloat16_activations() -> None:
+    """The Q4_1 integers, scales and minimums are what the kernel multiplies by; what is left is the
+    bfloat16 rounding of the activations, scales and zeros the CPU kernel computes in."""
     weight, _, _, _ = q4_1_weight(64, 128)
     linear = nn.Linear(128, 64, bias=False)
     linear.weight.data = weight
     x = torch.randn(4, 128, generator=torch.Generator().manual_seed(1))
-    torch.testing.assert_close(Int4WeightOnlyLinear(linear)(x), x @ weight.t(), rtol=1e-4, atol=1e-4)
+    expected = x @ weight.t()
+    relative = (Int4WeightOnlyLinear(linear)(x) - expected).norm() / expected.norm()
+    assert relative < 1e-2, float(relative)
 
 
 # builtin:tiny's MLP is 688 wide, which int4's groups of 32 and rows of 64 do not divide: those keep float.

@@ -1,0 +1,147 @@
+"""`fairlane bench quality`: what each quantization mode costs in answers, against float32.
+
+For each mode the same model is loaded afresh with its linear layers quantized, then:
+- perplexity over a text that CPython's own distribution ships (its LICENSE.txt, about 3,000 tokens
+  of English), in non-overlapping windows, teacher-forced through transformers' forward;
+- greedy answers to a fixed set of chat prompts through the engine, compared token by token with
+  float32's: how many answers are identical and how far, on average, an answer agrees before it parts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import sysconfig
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from app.cli import add_model_flags, settings_from_args
+from app.engine_factory import build_engine, load_model_for
+from config.settings import Settings
+from gpu.models import LoadedModel
+from loadtest.bench_common import format_table, write_report
+from scheduling.request import Request, RequestId
+
+PROMPTS = (
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain what a hash table is in two sentences.",
+    "List three uses of copper.",
+    "What is 17 times 23?",
+    "Give me a short tip for learning a new language.",
+    "Why is the sky blue?",
+    "Translate 'good morning' into Spanish and German.",
+    "Name the planets of the solar system in order.",
+    "What does a compiler do?",
+    "Suggest a name for a friendly robot.",
+    "How do I boil an egg?",
+    "What is photosynthesis?",
+    "Describe a cat to someone who has never seen one.",
+    "What is the difference between weather and climate?",
+    "Write one sentence that uses the word 'serendipity'.",
+)
+
+
+def corpus_text() -> str:
+    """A fixed English text present wherever Python is: the interpreter's license and its history."""
+    return (Path(sysconfig.get_paths()["stdlib"]) / "LICENSE.txt").read_text(encoding="utf-8")
+
+
+@dataclass(slots=True)
+class ModeQuality:
+    mode: str
+    perplexity: float
+    answers: list[list[int]]
+    seconds: float
+    exact_answers: float = 1.0  # share of answers identical to float32's
+    agreement_before_parting: float = 1.0  # mean share of an answer's tokens before it first differs
+
+
+@torch.inference_mode()
+def perplexity(loaded: LoadedModel, token_ids: list[int], window: int) -> float:
+    """exp(mean next-token negative log likelihood) over consecutive windows of the text."""
+    total_nll, count = 0.0, 0
+    for start in range(0, len(token_ids) - 1, window):
+        chunk = torch.tensor([token_ids[start : start + window + 1]], device=loaded.device)
+        if chunk.shape[1] < 2:
+            break
+        logits = loaded.model(input_ids=chunk[:, :-1]).logits[0].float()
+        nll = torch.nn.functional.cross_entropy(logits, chunk[0, 1:], reduction="sum")
+        total_nll, count = total_nll + float(nll), count + chunk.shape[1] - 1
+    return math.exp(total_nll / count)
+
+
+async def greedy_answers(settings: Settings, loaded: LoadedModel, max_tokens: int) -> list[list[int]]:
+    engine, _ = build_engine(settings, loaded)
+    tokenizer = loaded.tokenizer
+    await engine.start()
+
+    async def answer(text: str) -> list[int]:
+        prompt = tokenizer.encode_chat([{"role": "user", "content": text}])
+        tokens: list[int] = []
+        async for event in engine.submit(Request(RequestId(uuid.uuid4().hex), prompt, max_tokens)):
+            tokens.extend(event.new_token_ids)
+        return tokens
+
+    try:
+        return list(await asyncio.gather(*(answer(text) for text in PROMPTS)))
+    finally:
+        await engine.shutdown()
+
+
+def measure_mode(settings: Settings, mode: str, max_tokens: int, window: int) -> ModeQuality:
+    started = time.perf_counter()
+    mode_settings = settings.model_copy(update={"quantization": mode})
+    loaded = load_model_for(mode_settings)
+    text_ids = loaded.tokenizer.encode(corpus_text())
+    ppl = perplexity(loaded, text_ids, window)  # before the engine switches attention to the paged path
+    answers = asyncio.run(greedy_answers(mode_settings, loaded, max_tokens))
+    return ModeQuality(mode, ppl, answers, time.perf_counter() - started)
+
+
+def compare_with(reference: ModeQuality, other: ModeQuality) -> None:
+    exact, parts = 0, []
+    for ref, got in zip(reference.answers, other.answers, strict=True):
+        common = next((i for i, (a, b) in enumerate(zip(ref, got, strict=False)) if a != b), min(len(ref), len(got)))
+        exact += ref == got
+        parts.append(common / max(len(ref), 1))
+    other.exact_answers = exact / len(reference.answers)
+    other.agreement_before_parting = sum(parts) / len(parts)
+
+
+def run_command(args: argparse.Namespace) -> int:
+    settings = settings_from_args(args)
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    results = [measure_mode(settings, mode, args.max_tokens, args.window) for mode in modes]
+    for result in results[1:]:
+        compare_with(results[0], result)
+    rows = [["mode", "perplexity", "vs first", "exact answers", "agreement before parting", "seconds"]]
+    rows += [[r.mode, f"{r.perplexity:.3f}", f"{r.perplexity / results[0].perplexity:.3f}",
+              f"{r.exact_answers:.2f}", f"{r.agreement_before_parting:.2f}", f"{r.seconds:.0f}"] for r in results]
+    print(format_table(rows))
+    write_report(args.out, report(settings, results, args))
+    return 0
+
+
+def report(settings: Settings, results: list[ModeQuality], args: argparse.Namespace) -> dict[str, Any]:
+    return {
+        "model": settings.model, "dtype": settings.dtype, "max_tokens": args.max_tokens, "window": args.window,
+        "num_prompts": len(PROMPTS), "corpus": "stdlib LICENSE.txt",
+        "modes": [{k: v for k, v in asdict(r).items() if k != "answers"} for r in results],
+    }
+
+
+def add_command(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = subparsers.add_parser("quality", help="perplexity and greedy agreement of each quantization mode")
+    add_model_flags(parser)
+    parser.add_argument("--modes", default="none,int8,int4", help="the first is the reference")
+    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--window", type=int, default=512, help="tokens per perplexity window")
+    parser.add_argument("--out", help="write the JSON report here")
+    parser.set_defaults(dtype="float32", kv_cache_bytes=256 * 2**20, handler=run_command)

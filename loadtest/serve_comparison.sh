@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Side by side, one server at a time on 127.0.0.1: fairlane in each mode and, when LLAMA_SERVER points
+# at a llama.cpp `llama-server` binary, llama.cpp on the F16 and Q4_1 GGUF files. Each server gets the
+# same `fairlane bench serve` run; the reports land in OUT and are printed together at the end.
+#
+#   LLAMA_SERVER=/path/llama-server F16_GGUF=/path/f16.gguf Q4_GGUF=/path/q4_1.gguf \
+#     loadtest/serve_comparison.sh OUT_DIR [CONCURRENCY] [FAIRLANE_MODES]
+#
+# FAIRLANE_MODES is a comma list of dtype:quantization, default "float32:none,float32:int8,float32:int4".
+set -euo pipefail
+out=${1:?usage: serve_comparison.sh OUT_DIR [CONCURRENCY] [FAIRLANE_MODES]}
+concurrency=${2:-1,8,32,64}
+modes=${3:-float32:none,float32:int8,float32:int4}
+port=${PORT:-8123}
+bin=$(dirname "$0")/../.venv/bin
+mkdir -p "$out"
+
+wait_ready() {  # up to 10 minutes for the model to load (llama.cpp answers 503 while loading)
+  for _ in $(seq 1 600); do
+    curl -sf "http://127.0.0.1:$port/health" >/dev/null && return 0
+    sleep 1
+  done
+  echo "server on port $port never became ready" >&2
+  return 1
+}
+
+run_one() {  # label, then the server's command line
+  local label=$1; shift
+  "$@" >"$out/$label.log" 2>&1 &
+  local pid=$!
+  trap 'kill $pid 2>/dev/null || true' EXIT
+  wait_ready
+  "$bin/fairlane" bench serve --url "http://127.0.0.1:$port" --concurrency "$concurrency" --label "$label" \
+    --out "$out/$label.json" || true
+  kill "$pid"; wait "$pid" 2>/dev/null || true
+  trap - EXIT
+}
+
+reports=()
+if [ -n "${LLAMA_SERVER:-}" ]; then
+  for pair in "llama.cpp-F16:${F16_GGUF:?}" "llama.cpp-Q4_1:${Q4_GGUF:?}"; do
+    label=${pair%%:*}
+    run_one "$label" "$LLAMA_SERVER" -m "${pair#*:}" --host 127.0.0.1 --port "$port" -t "$(nproc)" \
+      -c 65536 -np 64 -cb
+    reports+=("$out/$label.json")
+  done
+fi
+for mode in ${modes//,/ }; do
+  label="fairlane-${mode/:/-}"
+  run_one "$label" "$bin/fairlane" serve --port "$port" --dtype "${mode%%:*}" --quantization "${mode#*:}" \
+    --max-num-seqs 64
+  reports+=("$out/$label.json")
+done
+"$bin/fairlane" bench serve --compare "${reports[@]}" | tee "$out/compare.txt"

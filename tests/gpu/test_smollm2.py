@@ -6,11 +6,13 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from gpu.models import SMOLLM2_SPEC, LoadedModel, convert_smollm2, load_model
+from gpu.models import SMOLLM2_GGUF, SMOLLM2_SPEC, LoadedModel, convert_smollm2, load_model, smollm2_dir
+from gpu.quantization import int4_groups
 from tests.factories import assert_kv_all_free, collect, make_engine, make_request, running, tokens_of
 from tests.gpu.reference import hf_greedy
 
@@ -58,3 +60,35 @@ async def test_chat_knows_the_capital_of_france(smollm2: LoadedModel) -> None:
     answer = tokenizer.decode(tokens_of(events))
     assert "Paris" in answer, answer
     assert events[-1].finish_reason == "stop"  # the end-of-turn token ends it, well before max_tokens
+
+
+def q4_1_integers(raw: np.ndarray) -> torch.Tensor:
+    """GGUF Q4_1 rows as raw bytes -> [rows, cols] integers 0..15. Each block of 32 weights is a float16
+    scale, a float16 minimum and 16 bytes: weight j in the low nibble of byte j, weight j + 16 in the high."""
+    blocks = torch.from_numpy(raw.reshape(raw.shape[0], -1, 20)[:, :, 4:].astype(np.int32))
+    return torch.cat([blocks & 0xF, blocks >> 4], dim=-1).reshape(raw.shape[0], -1)
+
+
+def test_int4_packs_the_gguf_q4_1_integers_as_they_are(smollm2: LoadedModel) -> None:
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(smollm2_dir() / SMOLLM2_GGUF))
+    raw = next(t for t in reader.tensors if t.name == "blk.0.ffn_down.weight")
+    expected = q4_1_integers(np.asarray(raw.data))
+    weight = smollm2.model.model.layers[0].mlp.down_proj.weight.detach()
+    got, _, _ = int4_groups(weight)
+    assert got.shape == expected.shape == (576, 1536)
+    assert float((got == expected).float().mean()) > 0.999  # a handful may sit on a float16 rounding edge
+
+
+async def test_a_gguf_path_serves_the_same_model(smollm2: LoadedModel) -> None:
+    """`--model FILE.gguf`: the same weights, tokenizer and chat template as the packaged default."""
+    from_file = load_model(str(smollm2_dir() / SMOLLM2_GGUF), device="cpu", dtype="float32")
+    prompt = smollm2.tokenizer.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
+    assert from_file.tokenizer.encode_chat([{"role": "user", "content": "What is the capital of France?"}]) == prompt
+    answers = []
+    for loaded in (smollm2, from_file):
+        engine = make_engine(loaded, num_blocks=32, block_size=16)
+        async with running(engine):
+            answers.append(tokens_of(await collect(engine.submit(make_request(prompt, 12)))))
+    assert answers[0] == answers[1]

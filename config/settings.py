@@ -32,7 +32,7 @@ class Settings(BaseModel):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     # auto: bfloat16 on CUDA and on a CPU with native bfloat16 math (AMX or AVX512-BF16), else float32
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    # Weight-only quantization of every linear layer, the LM head included (activations keep the dtype).
+    # Weight-only quantization of every linear layer, the LM head included (see gpu/quantization.py).
     quantization: Literal["none", "int8", "int4"] = "none"
     seed: int = 0
     model_cache_dir: str = "./data/models"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,13 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 # The test models are small: extra intra-op threads buy little and, next to the engine's worker
 # thread, the event loop and any server a test starts, their spin-waits cost far more than they give.
 torch.set_num_threads(1)
+
+# Several tests poll the engine on every turn of the event loop (`wait_until(interval=0)`) so that no
+# step goes by unobserved. That loop competes for the GIL with the worker thread running the forward,
+# which waits up to the switch interval (5 ms by default) each time it wants the GIL back: with ~20
+# operators per layer the steps of builtin:tiny then slow down tenfold. A shorter interval keeps the
+# poll from starving the step.
+sys.setswitchinterval(0.0005)
 
 
 @pytest.fixture(scope="session")

@@ -23,14 +23,14 @@ from torch import nn
 
 logger = logging.getLogger(__name__)
 
+Quantization = Literal["none", "int8", "int4"]
+INT4_GROUP_SIZE = 32
+INT4_ROW_MULTIPLE = 64  # output rows the packed int4 kernels tile by
+
 
 def kernel_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
     """The activation dtype the packed kernels run fast in (see the module's note)."""
     return torch.bfloat16 if device.type == "cpu" and dtype == torch.float32 else dtype
-
-Quantization = Literal["none", "int8", "int4"]
-INT4_GROUP_SIZE = 32
-INT4_ROW_MULTIPLE = 64  # output rows the packed int4 kernels tile by
 
 
 class Int8WeightOnlyLinear(nn.Module):

@@ -65,13 +65,12 @@ class ModelRunner:
         self.model.set_attn_implementation(ATTENTION_NAME)
         self.device = loaded.device
         shape = kv_shape_of(loaded, budget.block_size)
-        self.block_size = budget.block_size
         max_len = min(loaded.max_model_len, budget.max_model_len or loaded.max_model_len)
         pool_bytes = kv_pool_bytes(budget, shape.bytes_per_block, max_len, self.device)
         self.cache = PagedKVCache(shape, pool_bytes // shape.bytes_per_block,
                                   budget.swap_space_bytes // shape.bytes_per_block, self.device)
         logger.info("KV pool: %d blocks of %d tokens, %d tokens in all (%.0f MiB of %s)",
-                    self.cache.num_device_blocks, self.block_size, self.cache.num_device_blocks * self.block_size,
+                    self.cache.num_device_blocks, budget.block_size, self.cache.num_device_blocks * budget.block_size,
                     self.cache.num_device_blocks * shape.bytes_per_block / 2**20, shape.dtype)
         self.sampler = Sampler(self.device, budget.seed)
         self._geometry = CacheGeometry(self.cache.num_device_blocks, self.cache.num_cpu_blocks,

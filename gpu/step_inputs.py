@@ -52,8 +52,8 @@ def build_step_inputs(sequences: Sequence[ScheduledSequence], cache: PagedKVCach
     positions = starts[seq_of_token] + torch.arange(total, device=device) - (ends - query_lens)[seq_of_token]
     tables = padded_block_tables(sequences, device)
     blocks = tables[seq_of_token, positions // block_size]
-    heads = torch.arange(cache.shape.num_kv_heads, device=device)[:, None]
-    write_rows = (blocks[None, :] * cache.shape.num_kv_heads + heads) * block_size + positions % block_size
+    # [kv_heads, total_tokens]: each token's (block, head) row, then its offset inside that row
+    write_rows = context_rows(blocks, cache.shape.num_kv_heads) * block_size + positions % block_size
     input_ids = torch.tensor(list(chain.from_iterable(s.token_ids for s in sequences)), dtype=torch.long,
                              device=device)
     sampled = torch.tensor([s.needs_sample for s in sequences], dtype=torch.bool, device=device)

@@ -157,6 +157,11 @@ def _run_hf_static(loaded: Any, workload: list[BenchRequest], batch_size: int) -
                         outputs, {"batch_size": batch_size})
 
 
+# A fixed KV budget rather than a share of free memory: HF's continuous batching gets the same bytes,
+# and runs compare across machines.
+BENCH_KV_CACHE_BYTES = 256 * MiB
+
+
 def _run_hf_continuous(settings: Settings, loaded: Any, workload: list[BenchRequest]) -> SystemResult:
     """transformers' manager with the engine's budgets: its defaults would size the KV cache from free
     memory and build attention masks for 8192-token batches. It keeps its own page size (256 tokens),
@@ -168,7 +173,7 @@ def _run_hf_continuous(settings: Settings, loaded: Any, workload: list[BenchRequ
     page_size = ContinuousBatchingConfig().page_size
     bytes_per_page = kv_shape_of(loaded, page_size).bytes_per_block
     cb_config = ContinuousBatchingConfig(
-        page_size=page_size, num_blocks=max(1, (settings.kv_cache_bytes or 256 * MiB) // bytes_per_page),
+        page_size=page_size, num_blocks=max(1, (settings.kv_cache_bytes or BENCH_KV_CACHE_BYTES) // bytes_per_page),
         max_batch_tokens=settings.max_num_batched_tokens, max_requests_per_batch=settings.max_num_seqs,
         allow_block_sharing=False, use_cuda_graph=False, seed=settings.seed)
     gen_config = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=_pad_token_id(loaded.model),
@@ -295,8 +300,8 @@ def add_command(subparsers: argparse._SubParsersAction[argparse.ArgumentParser])
     parser = subparsers.add_parser("engine", help="tokens/s of this engine against HF generate and HF continuous "
                                                   "batching on one fixed workload")
     add_model_flags(parser)
-    # A fixed KV budget: HF's continuous batching gets the same bytes, and runs compare across machines.
-    parser.set_defaults(model="builtin:small", dtype="float32", kv_cache_bytes=256 * MiB, handler=run_command)
+    parser.set_defaults(model="builtin:small", dtype="float32", kv_cache_bytes=BENCH_KV_CACHE_BYTES,
+                        handler=run_command)
     parser.add_argument("--requests", type=int, default=64, help="number of requests in the workload")
     parser.add_argument("--seed", type=int, default=0, help="seed of the workload (lengths and prompt tokens)")
     parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {','.join(SYSTEMS)}")

@@ -1,13 +1,15 @@
 """OpenAI response objects: whole ones (`chat.completion`, `text_completion`) and SSE chunks.
 
-A content chunk is sent once per token (or per coalesced run of tokens), so its bytes are built
-from a prefix and a suffix encoded once per response around the JSON-escaped text; everything
-else is encoded from dicts. `tests/app/test_responses.py` checks both encodings agree.
+A content chunk is sent once per token (or per coalesced run of tokens), so the common one (choice
+0, no log probabilities, no running usage) is built from a prefix and a suffix encoded once per
+response around the JSON-escaped text; everything else is encoded from dicts.
+`tests/app/test_responses.py` checks both encodings agree.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
@@ -15,8 +17,12 @@ import orjson
 
 from app.errors import error_body
 from app.generation import TextPiece, Usage
+from gpu.plan import TokenLogprobs
+from gpu.tokenizer import Tokenizer
 
 DONE_EVENT = b"data: [DONE]\n\n"
+# log_softmax can reach -inf, which JSON cannot carry; vLLM reports the same floor.
+LOGPROB_FLOOR = -9999.0
 
 
 def sse_event(payload: dict[str, Any]) -> bytes:
@@ -45,16 +51,66 @@ class Envelope:
         return fields
 
 
+@dataclass(slots=True)
+class Choice:
+    """One choice of a whole response."""
+
+    index: int
+    result: TextPiece
+    prefix: str = ""  # the echoed prompt of a completion
+
+
+class LogprobsFormat:
+    """Token log probabilities in the chat shape (`content` entries) and the completions shape
+    (parallel `tokens` / `token_logprobs` / `top_logprobs` / `text_offset` lists)."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._tokenizer = tokenizer
+
+    def token_text(self, token_id: int) -> str:
+        return self._tokenizer.decode([token_id])
+
+    def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
+        text = self.token_text(token_id)
+        return {"token": text, "logprob": max(logprob, LOGPROB_FLOOR), "bytes": list(text.encode("utf-8"))}
+
+    def chat(self, entries: tuple[TokenLogprobs, ...]) -> dict[str, Any]:
+        content = [{**self._entry(e.token_id, e.logprob), "top_logprobs": [self._entry(t, lp) for t, lp in e.top]}
+                   for e in entries]
+        return {"content": content, "refusal": None}
+
+    def completion(self, entries: tuple[TokenLogprobs, ...], start_offset: int) -> dict[str, Any]:
+        """`start_offset`: where the first token's text starts in the choice's text."""
+        tokens = [self.token_text(e.token_id) for e in entries]
+        offsets = []
+        for token in tokens:
+            offsets.append(start_offset)
+            start_offset += len(token)
+        top = [{**{self.token_text(t): max(lp, LOGPROB_FLOOR) for t, lp in e.top},
+                tokens[i]: max(e.logprob, LOGPROB_FLOOR)} for i, e in enumerate(entries)]
+        return {"tokens": tokens, "token_logprobs": [max(e.logprob, LOGPROB_FLOOR) for e in entries],
+                "top_logprobs": top, "text_offset": offsets}
+
+
 class ChunkEncoder(Protocol):
     """The SSE events of one streamed response."""
 
-    def opening(self) -> bytes | None: ...
+    def opening(self, index: int) -> bytes | None: ...
 
-    def content(self, text: str) -> bytes: ...
+    def content(self, index: int, text: str, logprobs: tuple[TokenLogprobs, ...] = ()) -> bytes: ...
 
-    def finish(self, finish_reason: str) -> bytes: ...
+    def finish(self, index: int, finish_reason: str) -> bytes: ...
 
     def usage(self, usage: Usage) -> bytes: ...
+
+
+@dataclass(slots=True, frozen=True)
+class StreamShape:
+    """What a streamed response's chunks carry besides the text."""
+
+    include_usage: bool = False  # a last chunk with the usage; every other chunk says "usage": null
+    continuous_usage: bool = False  # the usage so far on every chunk (vLLM's continuous_usage_stats)
+    logprobs: LogprobsFormat | None = None  # set when the request asked for log probabilities
 
 
 class _TemplatedChunks(ABC):
@@ -65,32 +121,44 @@ class _TemplatedChunks(ABC):
     content_before: ClassVar[bytes]
     content_after: ClassVar[bytes]
 
-    def __init__(self, envelope: Envelope, include_usage: bool) -> None:
+    def __init__(self, envelope: Envelope, shape: StreamShape, usage_now: Callable[[], Usage] | None = None) -> None:
         self._envelope = envelope
-        self._include_usage = include_usage
+        self._shape = shape
+        self._usage_now = usage_now  # called for every chunk when shape.continuous_usage
         head = orjson.dumps(envelope.fields(self.object_type))[:-1]  # the object left open
         self._content_prefix = b"data: " + head + b',"choices":[' + self.content_before
-        usage_field = b',"usage":null' if include_usage else b""
+        usage_field = b',"usage":null' if shape.include_usage else b""
         self._content_suffix = self.content_after + b"]" + usage_field + b"}\n\n"
+        self._text_offsets: dict[int, int] = {}  # per choice, for the completions logprobs' text_offset
 
     @abstractmethod
-    def _choice(self, text: str, finish_reason: str | None) -> dict[str, Any]: ...
+    def _choice(self, index: int, text: str, finish_reason: str | None) -> dict[str, Any]: ...
 
-    def opening(self) -> bytes | None:
+    @abstractmethod
+    def _logprobs(self, index: int, text: str, entries: tuple[TokenLogprobs, ...]) -> dict[str, Any]: ...
+
+    def opening(self, index: int) -> bytes | None:
         return None
 
-    def content(self, text: str) -> bytes:
-        return self._content_prefix + orjson.dumps(text) + self._content_suffix
+    def content(self, index: int, text: str, logprobs: tuple[TokenLogprobs, ...] = ()) -> bytes:
+        if index == 0 and not logprobs and not self._shape.continuous_usage:
+            return self._content_prefix + orjson.dumps(text) + self._content_suffix
+        choice = self._choice(index, text, None)
+        if logprobs and self._shape.logprobs is not None:
+            choice["logprobs"] = self._logprobs(index, text, logprobs)
+        return self._chunk([choice])
 
-    def finish(self, finish_reason: str) -> bytes:
-        return self._chunk([self._choice("", finish_reason)])
+    def finish(self, index: int, finish_reason: str) -> bytes:
+        return self._chunk([self._choice(index, "", finish_reason)])
 
     def usage(self, usage: Usage) -> bytes:
         return sse_event({**self._envelope.fields(self.object_type), "choices": [], "usage": usage.as_dict()})
 
     def _chunk(self, choices: list[dict[str, Any]]) -> bytes:
         payload = {**self._envelope.fields(self.object_type), "choices": choices}
-        if self._include_usage:
+        if self._shape.continuous_usage and self._usage_now is not None:
+            payload["usage"] = self._usage_now().as_dict()
+        elif self._shape.include_usage:
             payload["usage"] = None
         return sse_event(payload)
 
@@ -100,13 +168,17 @@ class ChatChunks(_TemplatedChunks):
     content_before = b'{"index":0,"delta":{"content":'
     content_after = b'},"logprobs":null,"finish_reason":null}'
 
-    def _choice(self, text: str, finish_reason: str | None) -> dict[str, Any]:
+    def _choice(self, index: int, text: str, finish_reason: str | None) -> dict[str, Any]:
         delta = {"content": text} if text else {}
-        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
 
-    def opening(self) -> bytes:
-        """OpenAI's first chunk names the role; the content follows in later chunks."""
-        return self._chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+    def _logprobs(self, index: int, text: str, entries: tuple[TokenLogprobs, ...]) -> dict[str, Any]:
+        assert self._shape.logprobs is not None
+        return self._shape.logprobs.chat(entries)
+
+    def opening(self, index: int) -> bytes:
+        """OpenAI's first chunk of a choice names the role; the content follows in later chunks."""
+        return self._chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                              "finish_reason": None}])
 
 
@@ -115,16 +187,27 @@ class CompletionChunks(_TemplatedChunks):
     content_before = b'{"text":'
     content_after = b',"index":0,"logprobs":null,"finish_reason":null}'
 
-    def _choice(self, text: str, finish_reason: str | None) -> dict[str, Any]:
-        return {"text": text, "index": 0, "logprobs": None, "finish_reason": finish_reason}
+    def _choice(self, index: int, text: str, finish_reason: str | None) -> dict[str, Any]:
+        return {"text": text, "index": index, "logprobs": None, "finish_reason": finish_reason}
+
+    def _logprobs(self, index: int, text: str, entries: tuple[TokenLogprobs, ...]) -> dict[str, Any]:
+        assert self._shape.logprobs is not None
+        start = self._text_offsets.get(index, 0)
+        self._text_offsets[index] = start + len(text)
+        return self._shape.logprobs.completion(entries, start)
 
 
-def chat_completion(envelope: Envelope, result: TextPiece, usage: Usage) -> dict[str, Any]:
-    choice = {"index": 0, "message": {"role": "assistant", "content": result.text}, "logprobs": None,
-              "finish_reason": result.finish_reason}
-    return {**envelope.fields("chat.completion"), "choices": [choice], "usage": usage.as_dict()}
+def chat_completion(envelope: Envelope, choices: list[Choice], usage: Usage,
+                    logprobs: LogprobsFormat | None = None) -> dict[str, Any]:
+    body = [{"index": c.index, "message": {"role": "assistant", "content": c.result.text},
+             "logprobs": logprobs.chat(c.result.logprobs) if logprobs else None,
+             "finish_reason": c.result.finish_reason} for c in choices]
+    return {**envelope.fields("chat.completion"), "choices": body, "usage": usage.as_dict()}
 
 
-def text_completion(envelope: Envelope, result: TextPiece, usage: Usage) -> dict[str, Any]:
-    choice = {"text": result.text, "index": 0, "logprobs": None, "finish_reason": result.finish_reason}
-    return {**envelope.fields("text_completion"), "choices": [choice], "usage": usage.as_dict()}
+def text_completion(envelope: Envelope, choices: list[Choice], usage: Usage,
+                    logprobs: LogprobsFormat | None = None) -> dict[str, Any]:
+    body = [{"text": c.prefix + c.result.text, "index": c.index,
+             "logprobs": logprobs.completion(c.result.logprobs, len(c.prefix)) if logprobs else None,
+             "finish_reason": c.result.finish_reason} for c in choices]
+    return {**envelope.fields("text_completion"), "choices": body, "usage": usage.as_dict()}

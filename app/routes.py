@@ -7,11 +7,12 @@ watching for the client to leave.
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 from pydantic import ValidationError
@@ -22,21 +23,25 @@ from starlette.routing import Route
 
 from app.asgi import ClientGone, EventStreamResponse, read_body, unless_disconnected
 from app.batch.runner import RetryLater
+from app.choices import ChoiceSet, DeferredStream
 from app.context import ServingContext
 from app.errors import SERVER_ERROR, APIError, from_validation_error, json_response
-from app.generation import GenerationFailed, TextGeneration, TextPiece, Usage, collect
+from app.generation import GenerationFailed, TextGeneration, TokenStream
 from app.responses import (
     DONE_EVENT,
     ChatChunks,
+    Choice,
     ChunkEncoder,
     CompletionChunks,
     Envelope,
+    LogprobsFormat,
+    StreamShape,
     chat_completion,
     sse_error_event,
     text_completion,
 )
-from app.schemas import ChatCompletionBody, CompletionBody, GenerationBody
-from gpu.plan import SamplingParams
+from app.sampling import best_choices, sampling_params
+from app.schemas import ChatCompletionBody, CompletionBody, FieldRefused, GenerationBody
 from scheduling.engine import EngineOverloaded, EngineStopped, RequestStream
 from scheduling.request import PriorityClass, RequestId
 from scheduling.request import Request as EngineRequest
@@ -48,8 +53,6 @@ RETRY_AFTER_S = "1"
 SHUTTING_DOWN = "The server is shutting down; retry on another replica or later."
 # Tokenizing a long prompt can take long enough to stall every stream; such prompts go to a thread.
 THREAD_TOKENIZE_CHARS = 16_384
-# Below this temperature sampling is greedy: logits / temperature would overflow float32 near 0.
-GREEDY_BELOW_TEMPERATURE = 1e-5
 # What a client that disconnects is "answered" (it is never seen): nginx's "client closed request".
 CLIENT_CLOSED_STATUS = 499
 CHAT_PATH = "/v1/chat/completions"
@@ -61,8 +64,17 @@ class Flavor:
 
     id_prefix: str
     prompt_param: str
-    chunks: Callable[[Envelope, bool], ChunkEncoder]
-    whole: Callable[[Envelope, TextPiece, Usage], dict[str, Any]]
+    chunks: type[ChatChunks] | type[CompletionChunks]
+    whole: Callable[..., dict[str, Any]]
+
+
+@dataclass(slots=True)
+class Generations:
+    """One response's choices, started, and what the reply needs besides them."""
+
+    choices: ChoiceSet
+    headers: dict[str, str]
+    prefixes: list[str]  # per choice: the echoed prompt of a completion, else ""
 
 
 CHAT = Flavor("chatcmpl-", "messages", ChatChunks, chat_completion)
@@ -98,7 +110,8 @@ class OpenAIRoutes:
 
     def _model_card(self) -> dict[str, Any]:
         return {"id": self.context.model_name, "object": "model", "created": self.context.created,
-                "owned_by": "fairlane"}
+                "owned_by": "fairlane", "root": self.context.settings.model, "parent": None,
+                "max_model_len": self.context.geometry.max_model_len}
 
     async def health(self, request: Request) -> Response:
         """Alive whenever it answers; ready (200) until shutdown starts, then 503 for load balancers."""
@@ -114,34 +127,49 @@ class OpenAIRoutes:
     async def chat_completions(self, request: Request) -> Response:
         tenant = self.context.gate.authenticate(request)
         body = await self._parse(request, ChatCompletionBody)
-        return await self._generate(request, tenant, body, await self._prompt_of(body), CHAT)
+        return await self._generate(request, tenant, body, await self._prompts_of(body), CHAT)
 
     async def completions(self, request: Request) -> Response:
         tenant = self.context.gate.authenticate(request)
         body = await self._parse(request, CompletionBody)
-        return await self._generate(request, tenant, body, await self._prompt_of(body), COMPLETION)
+        return await self._generate(request, tenant, body, await self._prompts_of(body), COMPLETION)
 
-    async def _prompt_of(self, body: GenerationBody) -> list[int]:
+    async def _prompts_of(self, body: GenerationBody) -> list[list[int]]:
         if isinstance(body, CompletionBody):
-            text = body.prompt_text
-            return await self._tokenize(self.context.tokenizer.encode, text, len(text))
+            return [await self._completion_prompt(prompt) for prompt in body.prompts]
         assert isinstance(body, ChatCompletionBody)
         messages = [{"role": message.role, "content": message.text} for message in body.messages]
         num_chars = sum(len(message["content"]) for message in messages)
         try:
-            return await self._tokenize(self.context.tokenizer.encode_chat, messages, num_chars)
+            return [await self._tokenize(self.context.tokenizer.encode_chat, messages, num_chars)]
         except Exception as exc:  # chat templates raise what they like (e.g. roles that must alternate)
             raise APIError(400, f"The model's chat template cannot render these messages: {exc}",
                            param="messages") from None
+
+    async def _completion_prompt(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return await self._tokenize(self.context.tokenizer.encode, prompt, len(prompt))
+        vocab_size = self.context.tokenizer.vocab_size
+        if any(token >= vocab_size for token in prompt):
+            raise APIError(400, f"Token ids in the prompt must be below the vocabulary size {vocab_size}.",
+                           param="prompt", code="invalid_value")
+        return prompt
 
     async def _parse(self, request: Request, body_type: type[BodyT]) -> BodyT:
         if self.context.is_draining:
             raise APIError(503, SHUTTING_DOWN, code="server_shutting_down")
         raw = await read_body(request, self.context.settings.max_body_bytes)
+        return self._validated(body_type, raw)
+
+    def _validated(self, body_type: type[BodyT], raw: bytes | dict[str, Any]) -> BodyT:
+        """The body, or the 400 that says what is wrong with it or what it asks that we cannot do."""
         try:
-            body = body_type.model_validate_json(raw)
+            body = body_type.model_validate_json(raw) if isinstance(raw, bytes) else body_type.model_validate(raw)
+            body.check_fields()
         except ValidationError as exc:
             raise from_validation_error(exc) from None
+        except FieldRefused as exc:
+            raise APIError(400, str(exc), param=exc.param, code=exc.code) from None
         return self._served_model(body)
 
     def _served_model(self, body: BodyT) -> BodyT:
@@ -159,28 +187,34 @@ class OpenAIRoutes:
             return encode(text)
         return await run_in_threadpool(encode, text)
 
-    async def _generate(self, request: Request, tenant: Tenant, body: GenerationBody, prompt: list[int],
+    async def _generate(self, request: Request, tenant: Tenant, body: GenerationBody, prompts: list[list[int]],
                         flavor: Flavor) -> Response:
-        if not prompt:
-            raise APIError(400, "The prompt is empty once tokenized.", param=flavor.prompt_param)
         completion_id = flavor.id_prefix + uuid.uuid4().hex
-        engine_request = self._engine_request(completion_id, body, prompt, tenant)
-        self.context.gate.check_class(tenant, engine_request.priority)
-        headers = self.context.gate.admit(tenant, engine_request).headers
-        stream = self._submit(engine_request, body, flavor)
-        generation = TextGeneration(stream, self.context.tokenizer, body.stop_strings,
-                                    coalesce=self.context.settings.stream_coalesce)
+        started = self._start(completion_id, body, prompts, tenant, flavor, self._priority_of(body))
         envelope = Envelope(completion_id, int(time.time()), self.context.model_name, body.service_tier)
+        logprobs = self._logprobs_format(body)
         if body.is_stream:
-            chunks = flavor.chunks(envelope, body.include_usage)
-            return EventStreamResponse(self._sse_events(generation, chunks, body.include_usage), headers)
+            shape = StreamShape(body.include_usage, body.continuous_usage, logprobs)
+            chunks = flavor.chunks(envelope, shape, started.choices.usage)
+            return EventStreamResponse(self._sse_events(started, chunks, shape), started.headers)
         try:
-            result = await unless_disconnected(request.receive, collect(generation))
+            whole = await unless_disconnected(request.receive, self._whole(started, body, envelope, flavor))
         except GenerationFailed as exc:
-            raise self._failure(str(exc)) from None
+            raise self._failure(exc) from None
         except ClientGone:
             return Response(status_code=CLIENT_CLOSED_STATUS)
-        return json_response(flavor.whole(envelope, result, generation.usage), headers=headers)
+        return json_response(whole, headers=started.headers)
+
+    async def _whole(self, started: Generations, body: GenerationBody, envelope: Envelope, flavor: Flavor
+                     ) -> dict[str, Any]:
+        results = await started.choices.collect_all()
+        choices = [Choice(i, result, started.prefixes[i]) for i, result in enumerate(results)]
+        if body.num_generations > body.num_choices:  # best_of: keep the n likeliest of each prompt
+            choices = best_choices(choices, body.num_generations, body.num_choices)
+        return flavor.whole(envelope, choices, started.choices.usage(), self._logprobs_format(body))
+
+    def _logprobs_format(self, body: GenerationBody) -> LogprobsFormat | None:
+        return LogprobsFormat(self.context.tokenizer) if body.num_logprobs is not None else None
 
     async def run_batch_item(self, tenant_id: str, url: str, raw_body: dict[str, Any]
                              ) -> tuple[int, str, dict[str, Any]]:
@@ -191,37 +225,115 @@ class OpenAIRoutes:
         completion_id = flavor.id_prefix + uuid.uuid4().hex
         tenant = self.context.engine.scheduler.tenants.get(tenant_id)
         try:
-            body = self._served_model(body_type.model_validate({**raw_body, "stream": False}))
-            prompt = await self._prompt_of(body)
-            if not prompt:
-                raise APIError(400, "The prompt is empty once tokenized.", param=flavor.prompt_param)
-            engine_request = self._engine_request(completion_id, body, prompt, tenant, PriorityClass.BATCH)
-            generation = TextGeneration(self._submit(engine_request, body, flavor), self.context.tokenizer,
-                                        body.stop_strings)
-            result = await collect(generation)
-        except ValidationError as exc:
-            return 400, completion_id, from_validation_error(exc).body()
+            body: GenerationBody = self._validated(body_type, {**raw_body, "stream": False})
+            started = self._start(completion_id, body, await self._prompts_of(body), tenant, flavor,
+                                  PriorityClass.BATCH)
+            envelope = Envelope(completion_id, int(time.time()), self.context.model_name, body.service_tier)
+            return 200, completion_id, await self._whole(started, body, envelope, flavor)
         except GenerationFailed as exc:
-            if self.context.is_draining:
+            if self.context.is_draining or exc.status == 503:
                 raise RetryLater(str(exc)) from None
-            return 500, completion_id, self._failure(str(exc)).body()
+            return 500, completion_id, self._failure(exc).body()
         except APIError as exc:
             if exc.status == 503:
                 raise RetryLater(exc.message) from None
             return exc.status, completion_id, exc.body()
-        envelope = Envelope(completion_id, int(time.time()), self.context.model_name, body.service_tier)
-        return 200, completion_id, flavor.whole(envelope, result, generation.usage)
 
-    def _engine_request(self, request_id: str, body: GenerationBody, prompt: list[int], tenant: Tenant,
-                        priority: PriorityClass | None = None) -> EngineRequest:
-        temperature = 1.0 if body.temperature is None else body.temperature
-        if temperature < GREEDY_BELOW_TEMPERATURE:
-            temperature = 0.0
-        sampling = SamplingParams(temperature, top_p=1.0 if body.top_p is None else body.top_p, seed=body.seed)
-        return EngineRequest(RequestId(request_id), prompt, self._max_tokens(body, len(prompt)), sampling,
-                             stop_token_ids=frozenset() if body.ignore_eos else self.context.tokenizer.eos_token_ids,
-                             tenant_id=tenant.tenant_id, priority=priority or self._priority_of(body),
-                             cache_salt=tenant.cache_salt + (f"|request:{body.cache_salt}" if body.cache_salt else ""))
+    # ---- starting the choices -------------------------------------------------------------
+
+    def _start(self, completion_id: str, body: GenerationBody, prompts: list[list[int]], tenant: Tenant,
+               flavor: Flavor, priority: PriorityClass) -> Generations:
+        """Build, admit and submit every choice's engine request; on any refusal nothing stays taken."""
+        if any(not prompt for prompt in prompts):
+            raise APIError(400, "The prompt is empty once tokenized.", param=flavor.prompt_param)
+        requests = self._engine_requests(completion_id, body, prompts, tenant, priority)
+        self.context.gate.check_class(tenant, priority)
+        headers = self._admit_all(tenant, requests)
+        choices = self._submit_all(requests, body, flavor)
+        return Generations(choices, headers, self._echoed_prefixes(body, prompts))
+
+    def _engine_requests(self, completion_id: str, body: GenerationBody, prompts: list[list[int]],
+                         tenant: Tenant, priority: PriorityClass) -> list[EngineRequest]:
+        sampling = sampling_params(body, self.context.tokenizer)
+        stop_token_ids = self._stop_token_ids(body)
+        if sampling.min_tokens:
+            sampling = replace(sampling, min_tokens_banned=tuple(sorted(stop_token_ids)))
+        salt = tenant.cache_salt + (f"|request:{body.cache_salt}" if body.cache_salt else "")
+        per_prompt = body.num_generations
+        requests = []
+        for index in range(len(prompts) * per_prompt):
+            prompt = prompts[index // per_prompt]
+            request_id = completion_id if len(prompts) * per_prompt == 1 else f"{completion_id}-{index}"
+            # Like vLLM: the choices of a seeded request draw from seed, seed + 1, ... so they differ.
+            seeded = sampling if sampling.seed is None else replace(sampling, seed=sampling.seed + index % per_prompt)
+            requests.append(EngineRequest(RequestId(request_id), prompt, self._max_tokens(body, len(prompt)), seeded,
+                                          stop_token_ids=stop_token_ids, tenant_id=tenant.tenant_id,
+                                          priority=priority, cache_salt=salt))
+        return requests
+
+    def _stop_token_ids(self, body: GenerationBody) -> frozenset[int]:
+        requested = frozenset(body.stop_token_ids or ())
+        vocab_size = self.context.tokenizer.vocab_size
+        if any(token >= vocab_size for token in requested):
+            raise APIError(400, f"stop_token_ids must be below the vocabulary size {vocab_size}.",
+                           param="stop_token_ids", code="invalid_value")
+        return requested if body.ignore_eos else requested | self.context.tokenizer.eos_token_ids
+
+    def _admit_all(self, tenant: Tenant, requests: list[EngineRequest]) -> dict[str, str]:
+        """Take the tenant's quota for every choice, or for none."""
+        headers: dict[str, str] = {}
+        admitted: list[EngineRequest] = []
+        try:
+            for engine_request in requests:
+                headers = dict(self.context.gate.admit(tenant, engine_request).headers)
+                admitted.append(engine_request)
+        except APIError:
+            for engine_request in admitted:
+                self.context.gate.cancel(engine_request.request_id)
+            raise
+        return headers
+
+    def _submit_all(self, requests: list[EngineRequest], body: GenerationBody, flavor: Flavor) -> ChoiceSet:
+        """Submit the first choice of each prompt now; the others wait for its first token (see
+        app/choices.py). If the engine refuses one now, the started ones are aborted, the rest released."""
+        per_prompt = body.num_generations
+        generations: list[TextGeneration] = []
+        try:
+            for index, engine_request in enumerate(requests):
+                stream: TokenStream
+                if index % per_prompt == 0:
+                    stream = self._submit(engine_request, body, flavor)
+                else:
+                    stream = self._deferred(engine_request, body, flavor, generations[index - index % per_prompt])
+                generations.append(TextGeneration(stream, self.context.tokenizer, body.stop_strings,
+                                                  coalesce=self.context.settings.stream_coalesce))
+        except APIError:
+            for generation in generations:
+                generation.close()
+            for engine_request in requests[len(generations) + 1:]:
+                self.context.gate.cancel(engine_request.request_id)
+            raise
+        return ChoiceSet(generations, list(range(0, len(requests), per_prompt)))
+
+    def _deferred(self, engine_request: EngineRequest, body: GenerationBody, flavor: Flavor,
+                  first: TextGeneration) -> DeferredStream:
+        def submit(later: EngineRequest) -> RequestStream:
+            try:
+                return self._submit(later, body, flavor)
+            except APIError as exc:
+                raise GenerationFailed(exc.message, exc.status) from None
+
+        # Without a prefix cache there is nothing to wait for: the prompt is computed again anyway.
+        after = first.started if self.context.settings.enable_prefix_caching else _already_set()
+        return DeferredStream(engine_request, submit, after,
+                              lambda: self.context.gate.cancel(engine_request.request_id))
+
+    def _echoed_prefixes(self, body: GenerationBody, prompts: list[list[int]]) -> list[str]:
+        per_prompt = body.num_generations
+        if not (isinstance(body, CompletionBody) and body.echo):
+            return [""] * (len(prompts) * per_prompt)
+        texts = [p if isinstance(p, str) else self.context.tokenizer.decode(p) for p in body.prompts]
+        return [texts[index // per_prompt] for index in range(len(prompts) * per_prompt)]
 
     @staticmethod
     def _priority_of(body: GenerationBody) -> PriorityClass:
@@ -257,27 +369,39 @@ class OpenAIRoutes:
         except EngineStopped:
             raise APIError(503, SHUTTING_DOWN, code="server_shutting_down") from None
 
-    def _failure(self, message: str) -> APIError:
-        """A request the engine ended with an error: a 503 while draining, else the server's fault."""
+    def _failure(self, exc: GenerationFailed) -> APIError:
+        """A request the engine ended with an error: a 503 while draining or overloaded, else the
+        server's fault."""
         if self.context.is_draining:
             return APIError(503, SHUTTING_DOWN, code="server_shutting_down")
-        return APIError(500, message, type=SERVER_ERROR)
+        if exc.status == 503:
+            return APIError(503, str(exc), code="server_overloaded", headers={"retry-after": RETRY_AFTER_S})
+        return APIError(500, str(exc), type=SERVER_ERROR)
 
-    async def _sse_events(self, generation: TextGeneration, chunks: ChunkEncoder, include_usage: bool
+    async def _sse_events(self, started: Generations, chunks: ChunkEncoder, shape: StreamShape
                           ) -> AsyncGenerator[bytes, None]:
-        opening = chunks.opening()
-        if opening is not None:
-            yield opening
+        for index, prefix in enumerate(started.prefixes):
+            opening = chunks.opening(index)
+            if opening is not None:
+                yield opening
+            if prefix:
+                yield chunks.content(index, prefix)
         try:
-            async with aclosing(generation.pieces()) as pieces:
-                async for piece in pieces:
-                    if piece.text:
-                        yield chunks.content(piece.text)
+            async with aclosing(started.choices.interleaved()) as pieces:
+                async for index, piece in pieces:
+                    if piece.text or piece.logprobs:
+                        yield chunks.content(index, piece.text, piece.logprobs)
                     if piece.finish_reason is not None:
-                        yield chunks.finish(piece.finish_reason)
-            if include_usage:
-                yield chunks.usage(generation.usage)
+                        yield chunks.finish(index, piece.finish_reason)
+            if shape.include_usage:
+                yield chunks.usage(started.choices.usage())
         except GenerationFailed as exc:
-            error = self._failure(str(exc))
+            error = self._failure(exc)
             yield sse_error_event(error.message, error.type, error.code)
         yield DONE_EVENT
+
+
+def _already_set() -> asyncio.Event:
+    event = asyncio.Event()
+    event.set()
+    return event

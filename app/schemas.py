@@ -1,22 +1,29 @@
 """The OpenAI request bodies this server accepts, validated by pydantic.
 
 Strict on purpose: a string where a number belongs, a float where an integer belongs, or a field
-this server does not know is a 400 that names the field, never a silent guess. Responses are not
-modelled here: they are built as plain dicts (see `app/responses.py`) because the token stream is
-the hot path.
+this server does not know is a 400 that names the field, never a silent guess. Every field of
+OpenAI's chat completions and completions references, and vLLM's extra sampling fields, is known:
+at its default value it is always accepted; a value that asks for what this server cannot do
+(audio, web search, stored completions...) is a 400 that says so (`Unsupported`). Responses are
+not modelled here: they are built as plain dicts (see `app/responses.py`) because the token
+stream is the hot path.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 # 'flex' and 'batch' ask for the batch class; every other tier is served as interactive.
 ServiceTier = Literal["auto", "default", "flex", "batch", "priority", "scale"]
 BATCH_TIERS = frozenset({"flex", "batch"})
 MAX_STOP_STRINGS = 4
 MAX_SEED = 2**63 - 1
+MAX_CHOICES = 64  # n (and best_of): each choice holds its own KV blocks while it runs
+MAX_TOP_LOGPROBS = 20  # chat's top_logprobs, as OpenAI
+MAX_COMPLETION_LOGPROBS = 20  # completions' logprobs: OpenAI allows 5, vLLM 20
+MAX_PROMPTS = 64  # prompts in one completions request
 
 StopString = Annotated[str, Field(min_length=1, max_length=1024)]
 PromptText = Annotated[str, Field(min_length=1)]
@@ -27,8 +34,9 @@ class StrictModel(BaseModel):
 
 
 class StreamOptions(StrictModel):
-    include_usage: bool = False
-    include_obfuscation: bool = True  # accepted for compatibility: chunks never carry obfuscation padding
+    include_usage: bool | None = None
+    include_obfuscation: bool | None = None  # accepted: chunks never carry obfuscation padding
+    continuous_usage_stats: bool | None = None  # vLLM's: usage on every chunk, not only at the end
 
 
 class TextPart(StrictModel):
@@ -38,16 +46,102 @@ class TextPart(StrictModel):
     text: str
 
 
+class FunctionCall(StrictModel):
+    name: str
+    arguments: str  # JSON text, as the model wrote it
+
+
+class ToolCall(StrictModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(StrictModel):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None  # None only for an assistant message with tool calls
     name: str | None = None  # accepted for compatibility; the chat template has no place for it
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message answers this call
+    refusal: str | None = None  # an assistant's earlier refusal, kept as its text
+
+    @model_validator(mode="after")
+    def _content_where_required(self) -> ChatMessage:
+        if self.content is None and not (self.role == "assistant" and (self.tool_calls or self.refusal)):
+            raise ValueError(f"a {self.role} message needs content")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs the tool_call_id it answers")
+        return self
 
     @property
     def text(self) -> str:
+        if self.content is None:
+            return self.refusal or ""
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
+
+
+class FunctionDefinition(StrictModel):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None
+
+
+class Tool(StrictModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(StrictModel):
+    name: str
+
+
+class NamedToolChoice(StrictModel):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JsonSchemaFormat(StrictModel):
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(StrictModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is given with type 'json_schema', and only then")
+        return self
+
+
+class FieldRefused(ValueError):
+    """A field that is well-formed but cannot be honoured: with the other fields it makes no sense
+    (code invalid_value), or it asks for something this server cannot do (code unsupported_value)."""
+
+    def __init__(self, message: str, param: str, code: str = "invalid_value") -> None:
+        super().__init__(message)
+        self.param = param
+        self.code = code
+
+
+class Unsupported(FieldRefused):
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message, param, "unsupported_value")
+
+
+def refuse_unless_default(body: BaseModel, defaults: dict[str, tuple[Any, str]]) -> None:
+    """Raise Unsupported for the first field set to a value other than its defaults, with the why."""
+    for name, (accepted, why) in defaults.items():
+        value = getattr(body, name)
+        if value is not None and value not in accepted:
+            raise Unsupported(f"'{name}' is not supported by this server: {why}", name)
 
 
 class GenerationBody(StrictModel):
@@ -59,14 +153,32 @@ class GenerationBody(StrictModel):
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     seed: int | None = Field(default=None, ge=-MAX_SEED - 1, le=MAX_SEED)
     stop: StopString | list[StopString] | None = None
-    n: int | None = Field(default=None, ge=1)
+    n: int | None = Field(default=None, ge=1, le=MAX_CHOICES)
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     service_tier: ServiceTier | None = None
     user: str | None = None  # accepted and ignored: tenants come from API keys, not from this field
-    ignore_eos: bool = False  # an extension (vLLM has it too): run to max_tokens, for benchmarks and tests
-    # vLLM's field: isolates this request's prefix-cache entries further than its tenant's salt does.
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    # Token id (as a string, as JSON keys are) -> bias added to its logit.
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
+    # vLLM's extra sampling fields.
+    top_k: int | None = Field(default=None, ge=-1)  # 0 or -1: every token
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=2.0)
+    min_tokens: int | None = Field(default=None, ge=0)
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    ignore_eos: bool = False  # run to max_tokens, for benchmarks and tests
+    # Isolates this request's prefix-cache entries further than its tenant's salt does.
     cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
+    skip_special_tokens: bool | None = None
+    include_stop_str_in_output: bool | None = None
+    priority: int | None = None  # vLLM's priority scheduling; here classes come from service_tier
+    # OpenAI fields taken as hints with no effect on the output, or as metadata.
+    metadata: dict[str, str] | None = None
+    prompt_cache_key: str | None = None  # the prefix cache finds shared prefixes by itself
+    safety_identifier: str | None = None
+    store: bool | None = None
 
     @field_validator("stop")
     @classmethod
@@ -75,12 +187,26 @@ class GenerationBody(StrictModel):
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(stop)}")
         return stop
 
-    @field_validator("n")
+    @field_validator("logit_bias")
     @classmethod
-    def _only_one_choice(cls, n: int | None) -> int | None:
-        if n is not None and n != 1:
-            raise ValueError(f"only n=1 is supported, got n={n}")
-        return n
+    def _token_id_keys(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        for key in bias or {}:
+            if not key.isdigit():
+                raise ValueError(f"keys are token ids, got {key!r}")
+        return bias
+
+    def check_fields(self) -> None:
+        """Raise FieldRefused for a field that makes no sense with the others, or Unsupported for one
+        set to a value this server cannot honour."""
+        if self.stream_options is not None and not self.stream:
+            raise FieldRefused("The 'stream_options' parameter is only allowed when 'stream' is enabled.",
+                               "stream_options")
+        refuse_unless_default(self, {
+            "store": ((False,), "completions are not stored"),
+            "skip_special_tokens": ((True,), "special tokens are always left out of the text"),
+            "include_stop_str_in_output": ((False,), "a matched stop string is always left out"),
+            "priority": ((0,), "classes come from service_tier ('flex' or 'batch' for the batch class)"),
+        })
 
     @property
     def stop_strings(self) -> list[str]:
@@ -89,12 +215,25 @@ class GenerationBody(StrictModel):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
     @property
+    def num_choices(self) -> int:
+        return self.n or 1
+
+    @property
+    def num_generations(self) -> int:
+        """Outputs generated per prompt: n, or best_of when a completions request asks for more."""
+        return self.num_choices
+
+    @property
     def is_stream(self) -> bool:
         return bool(self.stream)
 
     @property
     def include_usage(self) -> bool:
-        return self.stream_options is not None and self.stream_options.include_usage
+        return self.stream_options is not None and bool(self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.stream_options is not None and bool(self.stream_options.continuous_usage_stats)
 
     @property
     def is_batch_class(self) -> bool:
@@ -104,27 +243,130 @@ class GenerationBody(StrictModel):
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
 
+    @property
+    def num_logprobs(self) -> int | None:
+        """How many top log probabilities each token reports; None when none are asked for."""
+        return None
+
 
 class ChatCompletionBody(GenerationBody):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    # Accepted at their defaults; anything else asks for what a text model behind this server cannot do.
+    modalities: list[Literal["text", "audio"]] | None = None
+    audio: dict[str, Any] | None = None
+    prediction: dict[str, Any] | None = None  # a speed hint: the output does not depend on it
+    reasoning_effort: str | None = None
+    verbosity: str | None = None
+    web_search_options: dict[str, Any] | None = None
+    functions: list[dict[str, Any]] | None = None  # the deprecated form of tools
+    function_call: str | dict[str, Any] | None = None
+    # vLLM's chat extras.
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    echo: bool | None = None
+
+    def check_fields(self) -> None:
+        super().check_fields()
+        if self.top_logprobs and not self.logprobs:
+            raise FieldRefused("'top_logprobs' needs 'logprobs' set to true.", "top_logprobs")
+        refuse_unless_default(self, {
+            "modalities": ((["text"],), "the model writes text only"),
+            "audio": ((), "the model writes text only"),
+            "reasoning_effort": ((), "the model does not reason before it answers"),
+            "verbosity": ((), "the model has no verbosity setting"),
+            "web_search_options": ((), "it cannot search the web"),
+            "functions": ((), "use 'tools' instead of the deprecated 'functions'"),
+            "function_call": ((), "use 'tool_choice' instead of the deprecated 'function_call'"),
+            "add_generation_prompt": ((True,), "the assistant's turn is always opened"),
+            "continue_final_message": ((False,), "the assistant's turn is always a new message"),
+            "echo": ((False,), "chat completions do not echo the prompt; completions do"),
+        })
+        if self.response_format is not None and self.response_format.type != "text":
+            raise Unsupported("'response_format' is not supported by this server yet: only type 'text'",
+                              "response_format")
+        if self.tools and self.tool_choice != "none":
+            raise Unsupported("'tools' are not supported by this server yet: only with tool_choice 'none'", "tools")
+        if isinstance(self.tool_choice, NamedToolChoice) or self.tool_choice == "required":
+            raise Unsupported("'tool_choice' is not supported by this server yet: only 'none' or 'auto'",
+                              "tool_choice")
 
     @property
     def requested_max_tokens(self) -> int | None:
         # The newer name wins when a client sends both.
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+
 
 class CompletionBody(GenerationBody):
-    prompt: PromptText | list[PromptText]
+    # One prompt or several (one choice each), as text or as token ids.
+    prompt: PromptText | Annotated[list[PromptText], Field(min_length=1, max_length=MAX_PROMPTS)] | TokenIds | \
+        Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)]
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_COMPLETION_LOGPROBS)
+    echo: bool | None = None
+    best_of: int | None = Field(default=None, ge=1, le=MAX_CHOICES)
+    suffix: str | None = None
 
-    @field_validator("prompt")
-    @classmethod
-    def _one_prompt(cls, prompt: str | list[str]) -> str | list[str]:
-        if isinstance(prompt, list) and len(prompt) != 1:
-            raise ValueError(f"one prompt per request is supported, got a list of {len(prompt)}")
-        return prompt
+    def check_fields(self) -> None:
+        super().check_fields()
+        if self.best_of is not None and self.best_of < self.num_choices:
+            raise FieldRefused(f"best_of ({self.best_of}) must be at least n ({self.num_choices}).", "best_of")
+        refuse_unless_default(self, {"suffix": (("",), "the model cannot fill in the middle")})
+        if self.echo and self.logprobs is not None:
+            raise Unsupported("'echo' with 'logprobs' is not supported by this server: prompt log probabilities "
+                              "are not computed", "echo")
+        if self.stream and self.num_generations > self.num_choices:
+            raise Unsupported("'best_of' greater than 'n' cannot be streamed", "best_of")
 
     @property
-    def prompt_text(self) -> str:
-        return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
+    def num_generations(self) -> int:
+        return max(self.best_of or 1, self.num_choices)
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """Each prompt of the request, as text or as token ids."""
+        prompt: Any = self.prompt
+        if isinstance(prompt, str):
+            return [prompt]
+        if all(isinstance(item, int) for item in prompt):
+            return [list(prompt)]
+        return list(prompt)
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
+
+
+class TokenizeBody(StrictModel):
+    """vLLM's /tokenize: a prompt, or chat messages rendered through the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None  # accepted; the prompt is encoded as the completions endpoint does
+    add_generation_prompt: bool | None = None
+    return_token_strs: bool | None = None
+
+    @model_validator(mode="after")
+    def _prompt_or_messages(self) -> TokenizeBody:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give either prompt or messages")
+        return self
+
+
+class DetokenizeBody(StrictModel):
+    model: str | None = None
+    tokens: list[Annotated[int, Field(ge=0)]]

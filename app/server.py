@@ -29,6 +29,7 @@ from app.context import ServingContext
 from app.errors import APIError, api_error_handler, http_exception_handler, unexpected_error_handler
 from app.observability import Observability
 from app.routes import CLIENT_CLOSED_STATUS, SHUTTING_DOWN, OpenAIRoutes
+from app.tokenization import TokenizationRoutes
 from config.settings import Settings
 
 logger = logging.getLogger(__name__)
@@ -60,7 +61,8 @@ def create_app(context: ServingContext) -> ASGIApp:
             await context.engine.shutdown(SHUTTING_DOWN)
 
     observability = Observability.attach(context.engine, is_draining=lambda: context.is_draining)
-    routes = [*openai.routes(), *batches.routes, *observability.routes()]
+    tokenization = TokenizationRoutes(context)
+    routes = [*openai.routes(), *tokenization.routes(), *batches.routes, *observability.routes()]
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={
         APIError: observability.count_rejections(api_error_handler),
         HTTPException: http_exception_handler,

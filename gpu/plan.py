@@ -16,11 +16,35 @@ class SamplingParams:
     temperature: float = 0.0  # 0 means greedy (argmax)
     top_p: float = 1.0  # nucleus mass kept; 1 keeps everything
     top_k: int = 0  # tokens kept by rank; 0 keeps everything
+    min_p: float = 0.0  # drop tokens below min_p times the top token's probability; 0 keeps everything
     seed: int | None = None  # a per-request generator: same tokens whatever shares the batch
+    # OpenAI's penalties over the output so far: logit -= presence * [count > 0] + frequency * count.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # transformers' / vLLM's: a token seen in the prompt or output has its logit divided by this
+    # when positive, multiplied when negative; 1 changes nothing.
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
+    min_tokens: int = 0  # before this many output tokens, the tokens of `min_tokens_banned` cannot be drawn
+    min_tokens_banned: tuple[int, ...] = ()  # the request's stop tokens (EOS and stop_token_ids)
+    # Log probabilities to report with each sampled token: None for none, k >= 0 for the sampled
+    # token's plus the k most likely ones. They are the model's raw log-softmax, before any penalty.
+    logprobs: int | None = None
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature <= 0.0
+
+    @property
+    def needs_history(self) -> bool:
+        """Whether the sampler needs the request's tokens so far (see ScheduledSequence)."""
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+                or self.min_tokens > 0)
+
+    @property
+    def changes_logits(self) -> bool:
+        """Whether anything besides temperature, top-k and top-p reshapes this row's logits."""
+        return self.needs_history or bool(self.logit_bias) or self.min_p > 0.0
 
 
 @dataclass(slots=True)
@@ -33,6 +57,10 @@ class ScheduledSequence:
     block_table: list[int]  # device block ids covering positions [0, start_position + len(token_ids))
     needs_sample: bool  # True when this chunk reaches the end of the known tokens
     sampling: SamplingParams
+    # Filled only when needs_sample and sampling.needs_history (penalties, min_tokens): the request's
+    # prompt and its output so far, copies the runner may keep.
+    prompt_token_ids: tuple[int, ...] = ()
+    output_token_ids: tuple[int, ...] = ()
 
 
 @dataclass(slots=True)
@@ -53,11 +81,21 @@ class StepPlan:
         return not (self.sequences or self.swap_out or self.swap_in or self.finished_request_ids)
 
 
+@dataclass(slots=True, frozen=True)
+class TokenLogprobs:
+    """The log probabilities reported with one sampled token (see SamplingParams.logprobs)."""
+
+    token_id: int
+    logprob: float  # of the sampled token
+    top: tuple[tuple[int, float], ...]  # the k most likely (token id, logprob), most likely first
+
+
 @dataclass(slots=True)
 class StepResult:
     """What one step produced."""
 
     sampled_token_ids: dict[str, int] = field(default_factory=dict)  # request id -> new token
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)  # for requests that asked for them
     forward_seconds: float = 0.0  # time inside the model forward (for forward_fraction)
     swap_seconds: float = 0.0  # time spent copying blocks between device and CPU
 

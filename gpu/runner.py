@@ -94,7 +94,7 @@ class ModelRunner:
         result.forward_seconds = time.perf_counter() - forward_started
         sampling = [seq for seq in ordered if seq.needs_sample]
         if sampling:
-            tokens = self.sampler.sample(logits, [s.sampling for s in sampling], [s.request_id for s in sampling])
+            tokens, result.logprobs = self.sampler.sample_step(logits, sampling)
             result.sampled_token_ids = {s.request_id: t for s, t in zip(sampling, tokens, strict=True)}
         return result
 

@@ -1,15 +1,25 @@
-"""Token sampling on the whole batch at once: temperature, top-k and top-p as row-wise tensor ops.
+"""Token sampling on the whole batch at once: every logits processor is a row-wise tensor op.
 
-Greedy rows take one argmax. The other rows are filtered together; rows without a seed then draw
-in one call on the shared generator, and a request with a seed owns a generator seeded once and
-advanced one draw per token, so its tokens do not depend on what else shares the batch.
+The order follows vLLM and OpenAI: log probabilities are read from the raw logits; then logit bias,
+the min_tokens ban, the repetition penalty (prompt and output) and the presence and frequency
+penalties (output only) reshape the logits of greedy and sampled rows alike. Greedy rows take one
+argmax. The other rows go through temperature, top-k, min-p and top-p together; rows without a seed
+then draw in one call on the shared generator, and a request with a seed owns a generator seeded
+once and advanced one draw per token, so its tokens do not depend on what else shares the batch.
+
+Each processor runs only when some row of the batch uses it, and then once for the whole batch:
+rows that do not use it get the neutral value (bias 0, penalty 1 or 0), which changes nothing.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
-from gpu.plan import SamplingParams
+from gpu.plan import SamplingParams, ScheduledSequence, TokenLogprobs
+
+History = Sequence[int]
 
 
 class Sampler:
@@ -24,14 +34,29 @@ class Sampler:
             self._per_request.pop(request_id, None)
 
     def sample(self, logits: torch.Tensor, params: list[SamplingParams], request_ids: list[str]) -> list[int]:
-        """logits: [rows, vocab] float32, one row per request, in the order of params."""
-        chosen = torch.argmax(logits, dim=-1)
+        """logits: [rows, vocab] float32, one row per request, in the order of params. Without
+        histories: every row is treated as having no output yet and no prompt to penalize."""
+        empty: list[History] = [()] * len(params)
+        processed = process_logits(logits, params, empty, empty)
+        return [int(t) for t in self._choose(processed, params, request_ids).tolist()]
+
+    def sample_step(self, logits: torch.Tensor, sequences: Sequence[ScheduledSequence]
+                    ) -> tuple[list[int], dict[str, TokenLogprobs]]:
+        """logits: [rows, vocab] float32, one row per sequence (each needs a sample), in order.
+        Returns the chosen tokens and the log probabilities of the requests that asked for them."""
+        params = [seq.sampling for seq in sequences]
+        chosen = self._choose(processed_logits(logits, sequences), params, [seq.request_id for seq in sequences])
+        tokens = [int(t) for t in chosen.tolist()]
+        return tokens, token_logprobs(logits, sequences, tokens)
+
+    def _choose(self, processed: torch.Tensor, params: list[SamplingParams], request_ids: list[str]) -> torch.Tensor:
+        chosen = torch.argmax(processed, dim=-1)
         sampled_rows = [row for row, p in enumerate(params) if not p.is_greedy]
         if sampled_rows:
             rows = [params[i] for i in sampled_rows]
-            probs = filtered_probs(logits[sampled_rows], rows, self.device)
+            probs = filtered_probs(processed[sampled_rows], rows, self.device)
             chosen[sampled_rows] = self._draw(probs, rows, [request_ids[i] for i in sampled_rows])
-        return [int(t) for t in chosen.tolist()]
+        return chosen
 
     def _draw(self, probs: torch.Tensor, params: list[SamplingParams], request_ids: list[str]) -> torch.Tensor:
         drawn = torch.empty(len(params), dtype=torch.long, device=self.device)
@@ -52,13 +77,124 @@ class Sampler:
         return generator
 
 
+def processed_logits(logits: torch.Tensor, sequences: Sequence[ScheduledSequence]) -> torch.Tensor:
+    """[rows, vocab] logits after each sequence's bias, min_tokens ban and penalties, before
+    temperature: what greedy rows take the argmax of."""
+    return process_logits(logits, [seq.sampling for seq in sequences],
+                          [seq.prompt_token_ids for seq in sequences], [seq.output_token_ids for seq in sequences])
+
+
+def process_logits(logits: torch.Tensor, params: Sequence[SamplingParams], prompts: Sequence[History],
+                   outputs: Sequence[History]) -> torch.Tensor:
+    """As `processed_logits`, from the parts. Never changes `logits` (the log probabilities are read
+    from it) and returns it as float32, without a copy, when no row changes anything."""
+    is_banning = [p.min_tokens > len(output) and bool(p.min_tokens_banned)
+                  for p, output in zip(params, outputs, strict=True)]
+    processed = logits.float()  # no copy when float32 already
+    if any(p.logit_bias for p in params):
+        processed = _add_logit_bias(processed, params)
+    if any(is_banning):
+        processed = _ban_until_min_tokens(processed, params, is_banning)
+    if any(p.repetition_penalty != 1.0 for p in params):
+        processed = _penalize_repetition(processed, params, prompts, outputs)
+    if any(p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params):
+        processed = _penalize_output_counts(processed, params, outputs)
+    return processed
+
+
+def _add_logit_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    # Ids outside the vocabulary are dropped rather than failing the step of the whole batch.
+    vocab = logits.shape[-1]
+    entries = [(row, token, bias) for row, p in enumerate(params) for token, bias in p.logit_bias if 0 <= token < vocab]
+    if not entries:
+        return logits
+    rows, tokens, biases = zip(*entries, strict=True)
+    return logits.index_put(_index(rows, tokens, logits.device),
+                            torch.tensor(biases, dtype=logits.dtype, device=logits.device), accumulate=True)
+
+
+def _ban_until_min_tokens(logits: torch.Tensor, params: Sequence[SamplingParams], is_banning: Sequence[bool]
+                          ) -> torch.Tensor:
+    vocab = logits.shape[-1]
+    entries = [(row, token) for row, (p, banning) in enumerate(zip(params, is_banning, strict=True)) if banning
+               for token in p.min_tokens_banned if 0 <= token < vocab]
+    if not entries:
+        return logits
+    rows, tokens = zip(*entries, strict=True)
+    return logits.index_put(_index(rows, tokens, logits.device),
+                            torch.tensor(float("-inf"), dtype=logits.dtype, device=logits.device))
+
+
+def _index(rows: Sequence[int], tokens: Sequence[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    return (torch.tensor(rows, dtype=torch.long, device=device), torch.tensor(tokens, dtype=torch.long, device=device))
+
+
+def _penalize_repetition(logits: torch.Tensor, params: Sequence[SamplingParams], prompts: Sequence[History],
+                         outputs: Sequence[History]) -> torch.Tensor:
+    """transformers' RepetitionPenaltyLogitsProcessor: a token seen anywhere in the sequence has its
+    logit divided by the penalty when positive, multiplied when not."""
+    # Rows with no penalty count nothing, so the padded history is as wide as the penalized ones need.
+    seen = [(*prompt, *output) if p.repetition_penalty != 1.0 else ()
+            for p, prompt, output in zip(params, prompts, outputs, strict=True)]
+    is_seen = token_counts(seen, logits.shape[-1], logits.device) > 0
+    penalties = _column([p.repetition_penalty for p in params], logits)
+    penalized = torch.where(logits > 0, logits / penalties, logits * penalties)
+    return torch.where(is_seen, penalized, logits)
+
+
+def _penalize_output_counts(logits: torch.Tensor, params: Sequence[SamplingParams], outputs: Sequence[History]
+                            ) -> torch.Tensor:
+    """OpenAI's: logit -= frequency * count + presence * [count > 0], counting the output only."""
+    counts = token_counts(outputs, logits.shape[-1], logits.device).to(logits.dtype)
+    frequency = _column([p.frequency_penalty for p in params], logits)
+    presence = _column([p.presence_penalty for p in params], logits)
+    return logits - (frequency * counts + presence * (counts > 0).to(logits.dtype))
+
+
+def _column(values: Sequence[float], like: torch.Tensor) -> torch.Tensor:
+    """[rows, 1]: one value per row, to broadcast over the vocabulary."""
+    return torch.tensor(values, dtype=like.dtype, device=like.device)[:, None]
+
+
+def token_counts(histories: Sequence[History], vocab: int, device: torch.device) -> torch.Tensor:
+    """[rows, vocab] int64: how often each token occurs in each row's history. One scatter_add_ over
+    the histories padded with an extra id `vocab`, whose column is then dropped."""
+    width = max((len(history) for history in histories), default=0)
+    padded = [[*history, *([vocab] * (width - len(history)))] for history in histories]
+    ids = torch.tensor(padded, dtype=torch.long, device=device).reshape(len(histories), width)
+    counts = torch.zeros(len(histories), vocab + 1, dtype=torch.long, device=device)
+    counts.scatter_add_(1, ids, torch.ones_like(ids))
+    return counts[:, :vocab]
+
+
+def token_logprobs(logits: torch.Tensor, sequences: Sequence[ScheduledSequence], tokens: Sequence[int]
+                   ) -> dict[str, TokenLogprobs]:
+    """The raw log-softmax of the chosen token and of the k most likely ones, for each sequence that
+    asked for them: one log_softmax, gather and topk (on the largest k) for all, each read back once."""
+    asked = [(row, seq.request_id, seq.sampling.logprobs) for row, seq in enumerate(sequences)
+             if seq.sampling.logprobs is not None]
+    if not asked:
+        return {}
+    rows = [row for row, _, _ in asked]
+    logprobs = torch.log_softmax(logits[rows].float(), dim=-1)
+    chosen = torch.tensor([tokens[row] for row in rows], dtype=torch.long, device=logits.device)
+    picked = logprobs.gather(1, chosen[:, None])[:, 0].tolist()
+    max_k = min(max(k for _, _, k in asked), logprobs.shape[-1])
+    top = torch.topk(logprobs, max_k, dim=-1)
+    top_ids, top_values = top.indices.tolist(), top.values.tolist()
+    return {request_id: TokenLogprobs(tokens[row], logprob, tuple(zip(ids[:k], values[:k], strict=True)))
+            for (row, request_id, k), logprob, ids, values in zip(asked, picked, top_ids, top_values, strict=True)}
+
+
 def filtered_probs(logits: torch.Tensor, params: list[SamplingParams], device: torch.device) -> torch.Tensor:
-    """[rows, vocab] probabilities after each row's temperature, top-k and top-p."""
+    """[rows, vocab] probabilities after each row's temperature, top-k, min-p and top-p."""
     temperatures = torch.tensor([p.temperature for p in params], device=device)[:, None]
     scaled = logits.float() / temperatures
     if any(0 < p.top_k < scaled.shape[-1] for p in params):
         scaled = _keep_top_k(scaled, [p.top_k for p in params])
     probs = torch.softmax(scaled, dim=-1)
+    if any(p.min_p > 0.0 for p in params):
+        probs = _keep_min_p(probs, torch.tensor([p.min_p for p in params], device=device))
     if any(p.top_p < 1.0 for p in params):
         probs = _keep_top_p(probs, torch.tensor([p.top_p for p in params], device=device))
     return probs
@@ -70,6 +206,13 @@ def _keep_top_k(scaled: torch.Tensor, top_k: list[int]) -> torch.Tensor:
     top = torch.topk(scaled, int(k.max()), dim=-1).values
     kth = top.gather(1, (k - 1)[:, None])
     return scaled.masked_fill(scaled < kth, float("-inf"))
+
+
+def _keep_min_p(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """transformers' MinPLogitsWarper: drop tokens less likely than min_p times the row's top token
+    (which always stays), then renormalize so that top-p measures the mass that is left."""
+    kept = probs.masked_fill(probs < min_p[:, None] * probs.amax(dim=-1, keepdim=True), 0.0)
+    return kept / kept.sum(dim=-1, keepdim=True)
 
 
 def _keep_top_p(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import NewType
 
-from gpu.plan import SamplingParams
+from gpu.plan import SamplingParams, TokenLogprobs
 from tenancy.tenants import DEFAULT_TENANT, TenantId
 
 RequestId = NewType("RequestId", str)
@@ -117,6 +117,7 @@ class TokenEvent:
     num_output_tokens: int
     num_cached_tokens: int = 0
     error: str | None = None  # set with finish_reason "error"
+    logprobs: tuple[TokenLogprobs, ...] = ()  # one per new token, when the request asked for them
 
     @property
     def is_final(self) -> bool:

@@ -15,7 +15,7 @@ from collections import Counter, deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
-from gpu.plan import CacheGeometry, ScheduledSequence, StepPlan, StepResult
+from gpu.plan import CacheGeometry, ScheduledSequence, StepPlan, StepResult, TokenLogprobs
 from scheduling.block_manager import KVBlockManager
 from scheduling.preemption import PreemptionEvent, PreemptionMode, choose_victim
 from scheduling.queue import RequestQueue, create_request_queue
@@ -309,14 +309,19 @@ class Scheduler:
     @staticmethod
     def _add_to_plan(plan: StepPlan, request: Request, num_new: int, budget: list[int]) -> None:
         start = request.num_computed_tokens
-        plan.sequences.append(ScheduledSequence(
+        needs_sample = start + num_new == request.num_tokens
+        sequence = ScheduledSequence(
             request_id=request.request_id,
             token_ids=request.token_ids[start:start + num_new],
             start_position=start,
             block_table=list(request.block_ids),
-            needs_sample=start + num_new == request.num_tokens,
+            needs_sample=needs_sample,
             sampling=request.sampling,
-        ))
+        )
+        if needs_sample and request.sampling.needs_history:  # penalties and min_tokens read what came before
+            sequence.prompt_token_ids = tuple(request.prompt_token_ids)
+            sequence.output_token_ids = tuple(request.output_token_ids)
+        plan.sequences.append(sequence)
         budget[0] -= num_new
 
     # ---- update ---------------------------------------------------------------------------
@@ -337,7 +342,8 @@ class Scheduler:
                 stop_status = self._stop_status(request, token)
                 if stop_status is not None:
                     self._finish(request, stop_status)
-                events.append(self._event(request, (token,)))
+                logprobs = result.logprobs.get(seq.request_id)
+                events.append(self._event(request, (token,), () if logprobs is None else (logprobs,)))
         return events
 
     def _charge(self, request: Request, seq: ScheduledSequence) -> None:
@@ -384,9 +390,11 @@ class Scheduler:
             self.counters.num_finished += 1
 
     @staticmethod
-    def _event(request: Request, new_tokens: tuple[int, ...]) -> TokenEvent:
+    def _event(request: Request, new_tokens: tuple[int, ...], logprobs: tuple[TokenLogprobs, ...] = ()
+               ) -> TokenEvent:
         return TokenEvent(request.request_id, new_tokens, finish_reason(request.status),
-                          request.num_prompt_tokens, request.num_output_tokens, request.num_cached_tokens)
+                          request.num_prompt_tokens, request.num_output_tokens, request.num_cached_tokens,
+                          logprobs=logprobs)
 
     # ---- observation ----------------------------------------------------------------------
 

@@ -62,13 +62,30 @@ def test_malformed_json_is_400(http: httpx.Client, raw: bytes) -> None:
     ({"top_p": 0}, "top_p", "greater than 0"),
     ({"top_p": 1.01}, "top_p", ""),
     ({"seed": 2**64}, "seed", ""),
-    ({"n": 2}, "n", "only n=1 is supported"),
+    ({"n": 65}, "n", "less than or equal to 64"),
+    ({"n": 0}, "n", "greater than or equal to 1"),
     ({"stop": ["a", "b", "c", "d", "e"]}, "stop", "at most 4 stop strings"),
     ({"stop": ""}, "stop", ""),
     ({"stream": "yes"}, "stream", "valid boolean"),
     ({"stream_options": {"include_usage": 1}}, "stream_options", ""),
     ({"service_tier": "gold"}, "service_tier", ""),
-    ({"logit_bias": {"1": 2}}, "logit_bias", "Unrecognized request argument supplied: logit_bias"),
+    ({"stream_options": {"include_usage": True}}, "stream_options", "only allowed when 'stream' is enabled"),
+    ({"logit_bias": {"x": 2}}, "logit_bias", "keys are token ids"),
+    ({"logit_bias": {"1": 101}}, "logit_bias", "less than or equal to 100"),
+    ({"logit_bias": {"99999999": 1}}, "logit_bias", "below the vocabulary size"),
+    ({"stop_token_ids": [99999999]}, "stop_token_ids", "below the vocabulary size"),
+    ({"presence_penalty": 2.5}, "presence_penalty", "less than or equal to 2"),
+    ({"frequency_penalty": "0"}, "frequency_penalty", "valid number"),
+    ({"repetition_penalty": 0}, "repetition_penalty", "greater than 0"),
+    ({"min_p": 1.5}, "min_p", ""),
+    ({"top_k": -2}, "top_k", ""),
+    ({"min_tokens": 20, "max_tokens": 10}, "min_tokens", "must not exceed max_tokens"),
+    ({"top_logprobs": 2}, "top_logprobs", "needs 'logprobs' set to true"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "less than or equal to 20"),
+    ({"messages": [{"role": "user", "content": None}]}, "messages", "needs content"),
+    ({"messages": [{"role": "tool", "content": "42"}]}, "messages", "tool_call_id"),
+    ({"response_format": {"type": "json_schema"}}, "response_format", "json_schema is given"),
+    ({"response_format": {"type": "yaml"}}, "response_format", ""),
 ])
 def test_invalid_fields_are_400_naming_the_field(http: httpx.Client, instant_server: ServerThread,
                                                  fields: dict[str, Any], param: str, says: str) -> None:
@@ -87,10 +104,49 @@ def test_a_json_array_body_is_400(http: httpx.Client) -> None:
     assert_error(http.post("/v1/completions", json=[1, 2]), 400, says="Input should be an object")
 
 
-def test_several_prompts_are_refused_clearly(http: httpx.Client, instant_server: ServerThread) -> None:
-    response = http.post("/v1/completions", json={"model": instant_server.model_name, "prompt": ["a", "b"]})
+@pytest.mark.parametrize(("fields", "param", "says"), [
+    ({"store": True}, "store", "not stored"),
+    ({"modalities": ["text", "audio"]}, "modalities", "text only"),
+    ({"audio": {"voice": "alloy", "format": "wav"}}, "audio", "text only"),
+    ({"reasoning_effort": "low"}, "reasoning_effort", "does not reason"),
+    ({"web_search_options": {}}, "web_search_options", "search the web"),
+    ({"functions": [{"name": "f"}]}, "functions", "use 'tools'"),
+    ({"priority": 3}, "priority", "service_tier"),
+    ({"skip_special_tokens": False}, "skip_special_tokens", ""),
+    ({"continue_final_message": True}, "continue_final_message", ""),
+])
+def test_what_the_server_cannot_do_is_400_unsupported(http: httpx.Client, instant_server: ServerThread,
+                                                      fields: dict[str, Any], param: str, says: str) -> None:
+    response = http.post("/v1/chat/completions", json=chat(instant_server, **fields))
 
-    assert_error(response, 400, param="prompt", says="one prompt per request")
+    assert_error(response, 400, param=param, code="unsupported_value", says=says)
+
+
+@pytest.mark.parametrize(("fields", "param", "says"), [
+    ({"suffix": "}"}, "suffix", "fill in the middle"),
+    ({"echo": True, "logprobs": 1}, "echo", "prompt log probabilities"),
+    ({"best_of": 3, "n": 2, "stream": True}, "best_of", "cannot be streamed"),
+])
+def test_completions_fields_the_server_cannot_do_are_400(http: httpx.Client, instant_server: ServerThread,
+                                                         fields: dict[str, Any], param: str, says: str) -> None:
+    body = {"model": instant_server.model_name, "prompt": "hi", **fields}
+
+    assert_error(http.post("/v1/completions", json=body), 400, param=param, code="unsupported_value", says=says)
+
+
+@pytest.mark.parametrize(("fields", "param", "says"), [
+    ({"best_of": 1, "n": 2}, "best_of", "at least n"),
+    ({"prompt": [1, 2, 99999999]}, "prompt", "below the vocabulary size"),
+    ({"prompt": []}, "prompt", ""),
+    ({"prompt": [[]]}, "prompt", ""),
+    ({"prompt": ["a"] * 65}, "prompt", ""),
+    ({"logprobs": 21}, "logprobs", "less than or equal to 20"),
+])
+def test_bad_completions_fields_are_400(http: httpx.Client, instant_server: ServerThread,
+                                        fields: dict[str, Any], param: str, says: str) -> None:
+    body = {"model": instant_server.model_name, "prompt": "hi", **fields}
+
+    assert_error(http.post("/v1/completions", json=body), 400, param=param, says=says)
 
 
 def test_a_prompt_too_long_for_the_context_says_the_numbers(http: httpx.Client,

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from app.responses import ChatChunks, CompletionChunks, Envelope
+from app.responses import ChatChunks, CompletionChunks, Envelope, StreamShape
 
 ENVELOPES = [Envelope("chatcmpl-1", 1700000000, "m", None), Envelope("x\"y", 1, "模型", "flex")]
 
@@ -28,7 +28,7 @@ def test_chat_content_chunk_matches_the_object(envelope: Envelope, include_usage
     if include_usage:
         expected["usage"] = None
 
-    chunk = ChatChunks(envelope, include_usage).content(text)
+    chunk = ChatChunks(envelope, StreamShape(include_usage)).content(0, text)
 
     assert decode(chunk) == expected
     assert chunk == b"data: " + orjson.dumps(expected) + b"\n\n"
@@ -43,4 +43,6 @@ def test_completion_content_chunk_matches_the_object(envelope: Envelope, include
     if include_usage:
         expected["usage"] = None
 
-    assert CompletionChunks(envelope, include_usage).content(text) == b"data: " + orjson.dumps(expected) + b"\n\n"
+    chunk = CompletionChunks(envelope, StreamShape(include_usage)).content(0, text)
+
+    assert chunk == b"data: " + orjson.dumps(expected) + b"\n\n"

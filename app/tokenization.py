@@ -1,0 +1,66 @@
+"""vLLM's /tokenize and /detokenize: what the server would feed the model, and the text of tokens."""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ValidationError
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from app.asgi import read_body
+from app.context import ServingContext
+from app.errors import APIError, from_validation_error, json_response
+from app.schemas import DetokenizeBody, TokenizeBody
+
+BodyT = TypeVar("BodyT", bound=BaseModel)
+
+
+class TokenizationRoutes:
+    def __init__(self, context: ServingContext) -> None:
+        self.context = context
+
+    def routes(self) -> list[Route]:
+        return [Route("/tokenize", self.tokenize, methods=["POST"]),
+                Route("/detokenize", self.detokenize, methods=["POST"])]
+
+    async def tokenize(self, request: Request) -> Response:
+        body = await self._parse(request, TokenizeBody)
+        tokens = self._encode(body)
+        result: dict[str, Any] = {"count": len(tokens), "max_model_len": self.context.geometry.max_model_len,
+                                  "tokens": tokens, "token_strs": None}
+        if body.return_token_strs:
+            result["token_strs"] = [self.context.tokenizer.decode([token]) for token in tokens]
+        return json_response(result)
+
+    async def detokenize(self, request: Request) -> Response:
+        body = await self._parse(request, DetokenizeBody)
+        vocab_size = self.context.tokenizer.vocab_size
+        if any(token >= vocab_size for token in body.tokens):
+            raise APIError(400, f"Token ids must be below the vocabulary size {vocab_size}.", param="tokens",
+                           code="invalid_value")
+        return json_response({"prompt": self.context.tokenizer.decode(body.tokens)})
+
+    def _encode(self, body: TokenizeBody) -> list[int]:
+        if body.prompt is not None:
+            return self.context.tokenizer.encode(body.prompt)
+        messages = [{"role": message.role, "content": message.text} for message in body.messages or []]
+        try:
+            return self.context.tokenizer.encode_chat(messages)
+        except Exception as exc:  # chat templates raise what they like
+            raise APIError(400, f"The model's chat template cannot render these messages: {exc}",
+                           param="messages") from None
+
+    async def _parse(self, request: Request, body_type: type[BodyT]) -> BodyT:
+        self.context.gate.authenticate(request)
+        raw = await read_body(request, self.context.settings.max_body_bytes)
+        try:
+            body = body_type.model_validate_json(raw)
+        except ValidationError as exc:
+            raise from_validation_error(exc) from None
+        model = getattr(body, "model", None)
+        if model is not None and model != self.context.model_name:
+            raise APIError(404, f"The model '{model}' does not exist; this server serves "
+                                f"'{self.context.model_name}'.", param="model", code="model_not_found")
+        return body

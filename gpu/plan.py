@@ -7,6 +7,16 @@ a `StepResult`. Both sides import only this module of each other.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
+
+
+@dataclass(slots=True, frozen=True)
+class StructuredOutput:
+    """A grammar the output must follow: the sampler masks every token that would leave it, and
+    once the grammar is complete only the request's stop tokens remain."""
+
+    kind: Literal["json_object", "json_schema", "regex"]
+    spec: str = ""  # the JSON schema as JSON text (json_schema), the pattern (regex); "" for json_object
 
 
 @dataclass(slots=True, frozen=True)
@@ -30,6 +40,7 @@ class SamplingParams:
     # Log probabilities to report with each sampled token: None for none, k >= 0 for the sampled
     # token's plus the k most likely ones. They are the model's raw log-softmax, before any penalty.
     logprobs: int | None = None
+    structured: StructuredOutput | None = None  # response_format and forced tool calls
 
     @property
     def is_greedy(self) -> bool:

@@ -68,11 +68,17 @@ class LogprobsFormat:
         self._tokenizer = tokenizer
 
     def token_text(self, token_id: int) -> str:
-        return self._tokenizer.decode([token_id])
+        """The token's text; a token that is part of a UTF-8 character is written `bytes:\\xe4\\xbd`
+        as OpenAI does, so distinct tokens never share a key in completions' top_logprobs."""
+        data = self._tokenizer.token_bytes(token_id)
+        try:
+            return data.decode("utf-8")
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{byte:02x}" for byte in data)
 
     def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
-        text = self.token_text(token_id)
-        return {"token": text, "logprob": max(logprob, LOGPROB_FLOOR), "bytes": list(text.encode("utf-8"))}
+        return {"token": self.token_text(token_id), "logprob": max(logprob, LOGPROB_FLOOR),
+                "bytes": list(self._tokenizer.token_bytes(token_id))}
 
     def chat(self, entries: tuple[TokenLogprobs, ...]) -> dict[str, Any]:
         content = [{**self._entry(e.token_id, e.logprob), "top_logprobs": [self._entry(t, lp) for t, lp in e.top]}

@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 # 'flex' and 'batch' ask for the batch class; every other tier is served as interactive.
-ServiceTier = Literal["auto", "default", "flex", "batch", "priority", "scale"]
+ServiceTier = Literal["auto", "default", "flex", "batch", "priority", "scale", "fast"]
 BATCH_TIERS = frozenset({"flex", "batch"})
 MAX_STOP_STRINGS = 4
 MAX_SEED = 2**63 - 1
@@ -44,6 +44,7 @@ class TextPart(StrictModel):
 
     type: Literal["text"]
     text: str
+    prompt_cache_breakpoint: dict[str, Any] | None = None  # a hint: the prefix cache needs no breakpoints
 
 
 class FunctionCall(StrictModel):
@@ -64,9 +65,13 @@ class ChatMessage(StrictModel):
     tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # a tool message answers this call
     refusal: str | None = None  # an assistant's earlier refusal, kept as its text
+    audio: dict[str, Any] | None = None  # an earlier audio answer's id: refused (text only)
+    function_call: dict[str, Any] | None = None  # the deprecated form of tool_calls: refused
 
     @model_validator(mode="after")
     def _content_where_required(self) -> ChatMessage:
+        if self.audio is not None or self.function_call is not None:
+            raise ValueError("audio and function_call are not supported in messages: text and tool_calls only")
         if self.content is None and not (self.role == "assistant" and (self.tool_calls or self.refusal)):
             raise ValueError(f"a {self.role} message needs content")
         if self.role == "tool" and not self.tool_call_id:
@@ -265,6 +270,9 @@ class ChatCompletionBody(GenerationBody):
     reasoning_effort: str | None = None
     verbosity: str | None = None
     web_search_options: dict[str, Any] | None = None
+    moderation: dict[str, Any] | None = None
+    prompt_cache_options: dict[str, Any] | None = None  # hints: the prefix cache finds shared prefixes itself
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
     functions: list[dict[str, Any]] | None = None  # the deprecated form of tools
     function_call: str | dict[str, Any] | None = None
     # vLLM's chat extras.
@@ -283,6 +291,7 @@ class ChatCompletionBody(GenerationBody):
             "reasoning_effort": ((), "the model does not reason before it answers"),
             "verbosity": ((), "the model has no verbosity setting"),
             "web_search_options": ((), "it cannot search the web"),
+            "moderation": ((), "it has no moderation model"),
             "functions": ((), "use 'tools' instead of the deprecated 'functions'"),
             "function_call": ((), "use 'tool_choice' instead of the deprecated 'function_call'"),
             "add_generation_prompt": ((True,), "the assistant's turn is always opened"),

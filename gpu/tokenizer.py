@@ -23,6 +23,10 @@ class Tokenizer(Protocol):
 
     def encode_chat(self, messages: Sequence[ChatMessage]) -> list[int]: ...
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (specials: their text), for log probabilities."""
+        ...
+
 
 class ByteTokenizer:
     """One token per UTF-8 byte, plus a few specials. Used by the builtin models.
@@ -55,6 +59,9 @@ class ByteTokenizer:
         text = "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages) + "<|assistant|>\n"
         return [self.BOS, *self.encode(text)]
 
+    def token_bytes(self, token_id: int) -> bytes:
+        return bytes([token_id]) if 0 <= token_id < 256 else b""
+
 
 class HFTokenizer:
     """Adapter over a transformers tokenizer with its chat template."""
@@ -62,6 +69,7 @@ class HFTokenizer:
     def __init__(self, tokenizer: Any, eos_token_ids: frozenset[int]) -> None:
         self._tokenizer = tokenizer
         self._eos_token_ids = eos_token_ids
+        self._byte_of_char: dict[str, int] | None = None  # built on first use, for byte-level BPE vocabularies
 
     @property
     def eos_token_ids(self) -> frozenset[int]:
@@ -76,6 +84,22 @@ class HFTokenizer:
 
     def decode(self, token_ids: Sequence[int]) -> str:
         return str(self._tokenizer.decode(list(token_ids), skip_special_tokens=True))
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """A byte-level BPE token (GPT-2's, Llama 3's, SmolLM2's) spells its bytes with one printable
+        character each; other vocabularies give their decoded text."""
+        piece = str(self._tokenizer.convert_ids_to_tokens(token_id))
+        byte_of_char = self._byte_level_alphabet()
+        if token_id in self._tokenizer.all_special_ids or not all(char in byte_of_char for char in piece):
+            return str(self._tokenizer.decode([token_id])).encode("utf-8")
+        return bytes(byte_of_char[char] for char in piece)
+
+    def _byte_level_alphabet(self) -> dict[str, int]:
+        if self._byte_of_char is None:
+            from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+            self._byte_of_char = {char: byte for byte, char in bytes_to_unicode().items()}
+        return self._byte_of_char
 
     def encode_chat(self, messages: Sequence[ChatMessage]) -> list[int]:
         if not self._tokenizer.chat_template:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
 import orjson
@@ -58,6 +58,13 @@ class Choice:
     index: int
     result: TextPiece
     prefix: str = ""  # the echoed prompt of a completion
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)  # parsed from the output (chat with tools)
+
+    @property
+    def message(self) -> dict[str, Any]:
+        if not self.tool_calls:
+            return {"role": "assistant", "content": self.result.text}
+        return {"role": "assistant", "content": self.result.text or None, "tool_calls": self.tool_calls}
 
 
 class LogprobsFormat:
@@ -106,6 +113,8 @@ class ChunkEncoder(Protocol):
     def content(self, index: int, text: str, logprobs: tuple[TokenLogprobs, ...] = ()) -> bytes: ...
 
     def finish(self, index: int, finish_reason: str) -> bytes: ...
+
+    def tool_calls(self, index: int, deltas: list[dict[str, Any]]) -> bytes: ...
 
     def usage(self, usage: Usage) -> bytes: ...
 
@@ -157,6 +166,11 @@ class _TemplatedChunks(ABC):
     def finish(self, index: int, finish_reason: str) -> bytes:
         return self._chunk([self._choice(index, "", finish_reason)])
 
+    def tool_calls(self, index: int, deltas: list[dict[str, Any]]) -> bytes:
+        """Tool-call deltas (chat only): OpenAI's `delta.tool_calls`, each with its call's index."""
+        return self._chunk([{"index": index, "delta": {"tool_calls": deltas}, "logprobs": None,
+                             "finish_reason": None}])
+
     def usage(self, usage: Usage) -> bytes:
         return sse_event({**self._envelope.fields(self.object_type), "choices": [], "usage": usage.as_dict()})
 
@@ -205,7 +219,7 @@ class CompletionChunks(_TemplatedChunks):
 
 def chat_completion(envelope: Envelope, choices: list[Choice], usage: Usage,
                     logprobs: LogprobsFormat | None = None) -> dict[str, Any]:
-    body = [{"index": c.index, "message": {"role": "assistant", "content": c.result.text},
+    body = [{"index": c.index, "message": c.message,
              "logprobs": logprobs.chat(c.result.logprobs) if logprobs else None,
              "finish_reason": c.result.finish_reason} for c in choices]
     return {**envelope.fields("chat.completion"), "choices": body, "usage": usage.as_dict()}

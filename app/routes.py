@@ -26,7 +26,7 @@ from app.batch.runner import RetryLater
 from app.choices import ChoiceSet, DeferredStream
 from app.context import ServingContext
 from app.errors import SERVER_ERROR, APIError, from_validation_error, json_response
-from app.generation import GenerationFailed, TextGeneration, TokenStream
+from app.generation import GenerationFailed, TextGeneration, TextPiece, TokenStream
 from app.responses import (
     DONE_EVENT,
     ChatChunks,
@@ -42,6 +42,7 @@ from app.responses import (
 )
 from app.sampling import best_choices, sampling_params
 from app.schemas import ChatCompletionBody, CompletionBody, FieldRefused, GenerationBody
+from app.tools import ToolStream, template_messages, template_tools, tool_finish_reason, uses_tools, with_tool_calls
 from scheduling.engine import EngineOverloaded, EngineStopped, RequestStream
 from scheduling.request import PriorityClass, RequestId
 from scheduling.request import Request as EngineRequest
@@ -75,6 +76,7 @@ class Generations:
     choices: ChoiceSet
     headers: dict[str, str]
     prefixes: list[str]  # per choice: the echoed prompt of a completion, else ""
+    tool_streams: list[ToolStream] | None = None  # per choice, when a chat request uses tools
 
 
 CHAT = Flavor("chatcmpl-", "messages", ChatChunks, chat_completion)
@@ -138,10 +140,12 @@ class OpenAIRoutes:
         if isinstance(body, CompletionBody):
             return [await self._completion_prompt(prompt) for prompt in body.prompts]
         assert isinstance(body, ChatCompletionBody)
-        messages = [{"role": message.role, "content": message.text} for message in body.messages]
+        tokenizer = self.context.tokenizer
+        messages = template_messages(body, tokenizer.knows_tools)
+        tools = template_tools(body) if tokenizer.knows_tools else None
         num_chars = sum(len(message["content"]) for message in messages)
         try:
-            return [await self._tokenize(self.context.tokenizer.encode_chat, messages, num_chars)]
+            return [await self._tokenize(lambda m: tokenizer.encode_chat(m, tools), messages, num_chars)]
         except Exception as exc:  # chat templates raise what they like (e.g. roles that must alternate)
             raise APIError(400, f"The model's chat template cannot render these messages: {exc}",
                            param="messages") from None
@@ -211,6 +215,8 @@ class OpenAIRoutes:
         choices = [Choice(i, result, started.prefixes[i]) for i, result in enumerate(results)]
         if body.num_generations > body.num_choices:  # best_of: keep the n likeliest of each prompt
             choices = best_choices(choices, body.num_generations, body.num_choices)
+        if isinstance(body, ChatCompletionBody) and uses_tools(body):
+            choices = [with_tool_calls(body, choice) for choice in choices]
         return flavor.whole(envelope, choices, started.choices.usage(), self._logprobs_format(body))
 
     def _logprobs_format(self, body: GenerationBody) -> LogprobsFormat | None:
@@ -250,7 +256,9 @@ class OpenAIRoutes:
         self.context.gate.check_class(tenant, priority)
         headers = self._admit_all(tenant, requests)
         choices = self._submit_all(requests, body, flavor)
-        return Generations(choices, headers, self._echoed_prefixes(body, prompts))
+        tool_streams = [ToolStream(body) for _ in requests] \
+            if isinstance(body, ChatCompletionBody) and uses_tools(body) else None
+        return Generations(choices, headers, self._echoed_prefixes(body, prompts), tool_streams)
 
     def _engine_requests(self, completion_id: str, body: GenerationBody, prompts: list[list[int]],
                          tenant: Tenant, priority: PriorityClass) -> list[EngineRequest]:
@@ -389,6 +397,10 @@ class OpenAIRoutes:
         try:
             async with aclosing(started.choices.interleaved()) as pieces:
                 async for index, piece in pieces:
+                    if started.tool_streams is not None:
+                        for event in tool_stream_events(chunks, started.tool_streams[index], index, piece):
+                            yield event
+                        continue
                     if piece.text or piece.logprobs:
                         yield chunks.content(index, piece.text, piece.logprobs)
                     if piece.finish_reason is not None:
@@ -399,6 +411,20 @@ class OpenAIRoutes:
             error = self._failure(exc)
             yield sse_error_event(error.message, error.type, error.code)
         yield DONE_EVENT
+
+
+def tool_stream_events(chunks: ChunkEncoder, tools: ToolStream, index: int, piece: TextPiece) -> list[bytes]:
+    """The chunks of one piece of a choice whose output may hold tool calls."""
+    content, deltas = tools.feed(piece.text)
+    if piece.finish_reason is not None:
+        tail, more = tools.finish()
+        content, deltas = content + tail, deltas + more
+    events = [chunks.content(index, content, piece.logprobs)] if content or piece.logprobs else []
+    if deltas:
+        events.append(chunks.tool_calls(index, deltas))
+    if piece.finish_reason is not None:
+        events.append(chunks.finish(index, tool_finish_reason(piece.finish_reason, tools.has_calls)))
+    return events
 
 
 def _already_set() -> asyncio.Event:

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
+
 from app.errors import APIError
 from app.responses import Choice
-from app.schemas import GenerationBody
-from gpu.plan import SamplingParams
+from app.schemas import ChatCompletionBody, GenerationBody
+from app.tools import forced_structure
+from gpu.plan import SamplingParams, StructuredOutput
 from gpu.tokenizer import Tokenizer
 
 # Below this temperature sampling is greedy: logits / temperature would overflow float32 near 0.
@@ -33,7 +36,21 @@ def sampling_params(body: GenerationBody, tokenizer: Tokenizer) -> SamplingParam
         logit_bias=logit_bias_of(body, tokenizer.vocab_size),
         min_tokens=min_tokens_of(body),
         logprobs=logprobs,
+        structured=structured_output_of(body),
     )
+
+
+def structured_output_of(body: GenerationBody) -> StructuredOutput | None:
+    """The grammar of a forced tool call or of response_format; None for free text."""
+    if not isinstance(body, ChatCompletionBody):
+        return None
+    forced = forced_structure(body)
+    if forced is not None or body.response_format is None or body.response_format.type == "text":
+        return forced
+    if body.response_format.type == "json_object":
+        return StructuredOutput("json_object")
+    assert body.response_format.json_schema is not None
+    return StructuredOutput("json_schema", json.dumps(body.response_format.json_schema.schema_ or {}))
 
 
 def logit_bias_of(body: GenerationBody, vocab_size: int) -> tuple[tuple[int, float], ...]:

@@ -261,7 +261,7 @@ class ChatCompletionBody(GenerationBody):
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     response_format: ResponseFormat | None = None
     tools: list[Tool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # None: auto with tools
     parallel_tool_calls: bool | None = None
     # Accepted at their defaults; anything else asks for what a text model behind this server cannot do.
     modalities: list[Literal["text", "audio"]] | None = None
@@ -301,11 +301,21 @@ class ChatCompletionBody(GenerationBody):
         if self.response_format is not None and self.response_format.type != "text":
             raise Unsupported("'response_format' is not supported by this server yet: only type 'text'",
                               "response_format")
-        if self.tools and self.tool_choice != "none":
-            raise Unsupported("'tools' are not supported by this server yet: only with tool_choice 'none'", "tools")
-        if isinstance(self.tool_choice, NamedToolChoice) or self.tool_choice == "required":
-            raise Unsupported("'tool_choice' is not supported by this server yet: only 'none' or 'auto'",
-                              "tool_choice")
+        self._check_tools()
+
+    def _check_tools(self) -> None:
+        names = [tool.function.name for tool in self.tools or []]
+        if len(set(names)) != len(names):
+            raise FieldRefused("Tool names must be unique.", "tools")
+        if self.tool_choice not in (None, "none", "auto") and not names:
+            raise FieldRefused("'tool_choice' asks for a call but no 'tools' are given.", "tool_choice")
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
+            raise FieldRefused(f"tool_choice names '{self.tool_choice.function.name}', which is not one of the "
+                               "tools.", "tool_choice")
+        forced = self.tool_choice not in (None, "none", "auto") and bool(names)
+        if forced and self.response_format is not None and self.response_format.type != "text":
+            raise FieldRefused("A forced tool call and a response_format cannot both shape the output.",
+                               "response_format")
 
     @property
     def requested_max_tokens(self) -> int | None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-ChatMessage = dict[str, str]
+ChatMessage = dict[str, Any]  # role and content, and for templates that know tools: tool_calls, tool_call_id
 
 
 class Tokenizer(Protocol):
@@ -21,7 +21,13 @@ class Tokenizer(Protocol):
 
     def decode(self, token_ids: Sequence[int]) -> str: ...
 
-    def encode_chat(self, messages: Sequence[ChatMessage]) -> list[int]: ...
+    @property
+    def knows_tools(self) -> bool:
+        """Whether the chat template renders `tools`, assistant `tool_calls` and tool messages itself."""
+        ...
+
+    def encode_chat(self, messages: Sequence[ChatMessage], tools: Sequence[dict[str, Any]] | None = None
+                    ) -> list[int]: ...
 
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes one token stands for (specials: their text), for log probabilities."""
@@ -55,7 +61,12 @@ class ByteTokenizer:
         # Ids outside the byte range (specials, unused slots) decode to nothing.
         return bytes(t for t in token_ids if 0 <= t < 256).decode("utf-8", errors="replace")
 
-    def encode_chat(self, messages: Sequence[ChatMessage]) -> list[int]:
+    @property
+    def knows_tools(self) -> bool:
+        return False
+
+    def encode_chat(self, messages: Sequence[ChatMessage], tools: Sequence[dict[str, Any]] | None = None
+                    ) -> list[int]:
         text = "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages) + "<|assistant|>\n"
         return [self.BOS, *self.encode(text)]
 
@@ -79,6 +90,12 @@ class HFTokenizer:
     def vocab_size(self) -> int:
         return len(self._tokenizer)
 
+    @property
+    def hf_tokenizer(self) -> Any:
+        """The wrapped transformers tokenizer, for libraries that read the vocabulary themselves
+        (the grammar compiler of structured outputs)."""
+        return self._tokenizer
+
     def encode(self, text: str) -> list[int]:
         return list(self._tokenizer.encode(text, add_special_tokens=False))
 
@@ -101,11 +118,17 @@ class HFTokenizer:
             self._byte_of_char = {char: byte for byte, char in bytes_to_unicode().items()}
         return self._byte_of_char
 
-    def encode_chat(self, messages: Sequence[ChatMessage]) -> list[int]:
+    @property
+    def knows_tools(self) -> bool:
+        return "tools" in str(self._tokenizer.chat_template or "")
+
+    def encode_chat(self, messages: Sequence[ChatMessage], tools: Sequence[dict[str, Any]] | None = None
+                    ) -> list[int]:
         if not self._tokenizer.chat_template:
             return ByteTokenizerTemplate.render(self, messages)
         ids = self._tokenizer.apply_chat_template(
-            list(messages), add_generation_prompt=True, tokenize=True, return_dict=False
+            list(messages), tools=list(tools) if tools else None, add_generation_prompt=True, tokenize=True,
+            return_dict=False
         )
         return [int(t) for t in ids]
 

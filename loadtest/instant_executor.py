@@ -17,9 +17,10 @@ SCRIPT = "The quick brown fox jumps over the lazy dog. Déjà vu, naïve café; 
 
 
 class InstantExecutor:
-    def __init__(self, geometry: CacheGeometry, script: bytes = SCRIPT) -> None:
+    def __init__(self, geometry: CacheGeometry, script: bytes = SCRIPT, end_token: int | None = None) -> None:
         self._geometry = geometry
         self._script = script
+        self._end_token = end_token  # sampled once the script is out, if set; else the script repeats
         self._num_sampled: dict[str, int] = {}  # per request: where it is in the script
 
     @property
@@ -33,7 +34,10 @@ class InstantExecutor:
         for seq in plan.sequences:
             if seq.needs_sample:
                 index = self._num_sampled.get(seq.request_id, 0)
-                sampled[seq.request_id] = self._script[index % len(self._script)]
+                if self._end_token is not None and index >= len(self._script):
+                    sampled[seq.request_id] = self._end_token
+                else:
+                    sampled[seq.request_id] = self._script[index % len(self._script)]
                 self._num_sampled[seq.request_id] = index + 1
         return StepResult(sampled_token_ids=sampled)
 

@@ -111,10 +111,13 @@ def tiny_context(loaded: LoadedModel, **overrides: Any) -> ServingContext:
     return _context(settings, runner, runner.loaded.tokenizer)
 
 
-def instant_context(**overrides: Any) -> ServingContext:
+def instant_context(script: bytes | None = None, **overrides: Any) -> ServingContext:
+    """An instant server; given a script, every output is that script and then EOS."""
     overrides.setdefault("batch_db_path", fresh_db_path())
     settings = load_settings(environ={}, overrides={**INSTANT_SETTINGS, **overrides})
-    return _context(settings, InstantExecutor(instant_geometry(settings, max_model_len=1024)), ByteTokenizer())
+    geometry = instant_geometry(settings, max_model_len=1024)
+    executor = InstantExecutor(geometry) if script is None else InstantExecutor(geometry, script, ByteTokenizer.EOS)
+    return _context(settings, executor, ByteTokenizer())
 
 
 def _context(settings: Settings, executor: Executor, tokenizer: Tokenizer) -> ServingContext:

@@ -212,11 +212,12 @@ def test_overload_is_503_with_retry_after(start_tiny_server: Callable[..., Serve
 class AlternatingRolesTokenizer(ByteTokenizer):
     """A chat template like many real ones: it raises unless user and assistant alternate."""
 
-    def encode_chat(self, messages: Sequence[ChatMessage]) -> list[int]:
+    def encode_chat(self, messages: Sequence[ChatMessage], tools: Sequence[dict[str, Any]] | None = None
+                    ) -> list[int]:
         roles = [message["role"] for message in messages]
         if any(a == b for a, b in pairwise(roles)):
             raise ValueError("Conversation roles must alternate user/assistant/user/assistant/...")
-        return super().encode_chat(messages)
+        return super().encode_chat(messages, tools)
 
 
 def test_a_chat_template_that_refuses_the_messages_is_400() -> None:

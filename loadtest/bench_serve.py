@@ -55,6 +55,7 @@ class ServeBenchConfig:
     warmup: int = 1  # requests before each level, not measured
     request_timeout_s: float = 600.0  # one request, start to [DONE]
     max_run_s: float = 3600.0  # the whole run; levels not finished by then are left out
+    extra_body: str = ""  # JSON object text merged into every request body (e.g. logprobs, response_format)
 
     def check(self) -> None:
         """Raise ValueError for a run outside the caps, before anything is sent."""
@@ -66,6 +67,13 @@ class ServeBenchConfig:
             raise ValueError("--max-tokens and --prompt-tokens must be >= 1, --warmup >= 0")
         if not 0 < self.request_timeout_s <= self.max_run_s:
             raise ValueError("--request-timeout must be > 0 and at most --max-run-s")
+        if self.extra_body:
+            try:
+                is_object = isinstance(json.loads(self.extra_body), dict)
+            except ValueError:
+                is_object = False
+            if not is_object:
+                raise ValueError("--extra-body must be a JSON object")
 
     def num_requests(self, concurrency: int) -> int:
         return self.requests_per_level or default_requests(concurrency)
@@ -166,7 +174,8 @@ async def _run_requests(http: httpx.AsyncClient, model: str, requests: Sequence[
 
 def _requests(config: ServeBenchConfig, prompts: Sequence[str]) -> list[ChatRequest]:
     tenant = LoadTenant(TENANT_ID, config.api_key)
-    return [ChatRequest(tenant, INTERACTIVE, (("user", p),), config.max_tokens) for p in prompts]
+    return [ChatRequest(tenant, INTERACTIVE, (("user", p),), config.max_tokens, extra_fields=config.extra_body)
+            for p in prompts]
 
 
 async def run_level(config: ServeBenchConfig, model: str, concurrency: int, prompts: Sequence[str]) -> LevelResult:
@@ -287,6 +296,8 @@ def add_command(subparsers: argparse._SubParsersAction[argparse.ArgumentParser])
     parser.add_argument("--request-timeout", type=float, default=600.0, help="seconds one request may take")
     parser.add_argument("--max-run-s", type=float, default=3600.0, help="seconds the whole run may take")
     parser.add_argument("--allow-remote", action="store_true", help="allow a URL that is not on this machine")
+    parser.add_argument("--extra-body", default="",
+                        help="a JSON object merged into every request body, e.g. '{\"logprobs\": true}'")
     parser.add_argument("--out", help="write the report as JSON here")
     parser.add_argument("--compare", nargs="+", metavar="REPORT",
                         help="print these saved reports side by side (ratios to the first) instead of running")
@@ -300,7 +311,7 @@ def config_from_args(args: argparse.Namespace) -> ServeBenchConfig:
         raise ValueError(f"--concurrency must be comma-separated integers, got {args.concurrency!r}") from exc
     config = ServeBenchConfig(args.url.rstrip("/"), concurrency, args.label, args.requests_per_level, args.max_tokens,
                               args.prompt_tokens, args.model, args.seed, args.api_key, args.warmup,
-                              args.request_timeout, args.max_run_s)
+                              args.request_timeout, args.max_run_s, args.extra_body)
     config.check()
     return config
 

@@ -138,12 +138,15 @@ class ChatRequest:
     messages: tuple[tuple[str, str], ...]  # (role, content)
     max_tokens: int  # generated exactly: ignore_eos is set, so the drawn length is the output length
     drop_after_chunks: int | None = None  # the client disconnects after this many content chunks
+    extra_fields: str = ""  # JSON object text of more body fields (logprobs, response_format...), merged last
 
     def body(self, model: str, *, stream: bool = True) -> dict[str, Any]:
         body: dict[str, Any] = {
             "model": model, "max_tokens": self.max_tokens, "temperature": 0, "ignore_eos": True,
             "messages": [{"role": role, "content": content} for role, content in self.messages],
         }
+        if self.extra_fields:
+            body |= json.loads(self.extra_fields)
         if stream:
             body |= {"stream": True, "stream_options": {"include_usage": True}}
         if self.klass != INTERACTIVE:

@@ -49,6 +49,17 @@ def test_each_level_runs_exactly_its_requests_and_the_report_adds_up(
     assert server.stats()["requests_finished"] - finished_before == 2 * (WARMUP + REQUESTS)
 
 
+def test_extra_body_fields_reach_every_request(server: ServerThread, tmp_path: Path) -> None:
+    before = len(server.engine.submitted)
+    code = main(["bench", "serve", "--url", server.base_url, "--concurrency", "2", "--requests-per-level", "2",
+                 "--max-tokens", "3", "--prompt-tokens", "8", "--warmup", "0", "--out", str(tmp_path / "x.json"),
+                 "--extra-body", '{"logprobs": true, "top_logprobs": 2, "presence_penalty": 0.5}'])
+
+    sent = server.engine.submitted[before:]
+    assert code == 0 and len(sent) == 2
+    assert all(r.sampling.logprobs == 2 and r.sampling.presence_penalty == 0.5 for r in sent)
+
+
 def check_level(level: dict[str, Any]) -> None:
     assert (level["requests"], level["num_errors"], level["errors"]) == (REQUESTS, 0, {})
     assert level["completion_tokens"] == REQUESTS * MAX_TOKENS  # ignore_eos: every request runs to max_tokens
@@ -87,7 +98,7 @@ def test_remote_urls_are_refused_unless_allowed(flags: list[str], capsys: pytest
 
 
 @pytest.mark.parametrize("flags", [["--concurrency", "0"], ["--concurrency", "1,x"], ["--requests-per-level", "0"],
-                                   ["--request-timeout", "7200"]])
+                                   ["--request-timeout", "7200"], ["--extra-body", "[1]"], ["--extra-body", "{x"]])
 def test_runs_outside_the_caps_are_refused_before_sending(flags: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "serve", "--url", "http://127.0.0.1:9", *flags]) == 2  # nothing listens there
     assert "error:" in capsys.readouterr().err

@@ -76,6 +76,13 @@ class Settings(BaseModel):
     served_model_name: str | None = None
     default_max_tokens: int = Field(default=256, ge=1)  # when a request gives none (capped by the context left)
     stream_coalesce: bool = True  # a stream that fell behind sends its pending tokens as one SSE event
+    http_header_timeout_s: float = Field(default=10.0, gt=0)  # a request head must arrive whole within this
+    http_body_timeout_s: float = Field(default=30.0, gt=0)  # longest wait for the next piece of a body (408)
+    max_connections: int = Field(default=2048, ge=1)  # open HTTP connections; more are refused (503)
+    metrics_public: bool = False  # /metrics without the admin key (a scraper on a private network)
+
+    # Engine health.
+    engine_stall_s: float = Field(default=60.0, gt=0)  # work waiting and no step finished for this long: unhealthy
 
     @model_validator(mode="after")
     def _check_budgets(self) -> Settings:

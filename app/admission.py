@@ -7,6 +7,8 @@ a stop string, an abort, a client gone, a shutdown).
 
 from __future__ import annotations
 
+import base64
+
 from starlette.requests import Request
 
 from app.errors import APIError
@@ -27,6 +29,17 @@ def bearer_key(request: Request) -> str | None:
     return key.strip() or None if scheme.lower() == "bearer" else None
 
 
+def basic_password(request: Request) -> str | None:
+    scheme, _, encoded = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "basic":
+        return None
+    try:
+        _, _, password = base64.b64decode(encoded.strip(), validate=True).decode("utf-8").partition(":")
+    except (ValueError, UnicodeDecodeError):
+        return None
+    return password or None
+
+
 class AdmissionGate:
     def __init__(self, tenants: TenantRegistry, engine: Engine) -> None:
         self.tenants = tenants
@@ -44,6 +57,19 @@ class AdmissionGate:
             raise APIError(401, message, type=AUTHENTICATION_ERROR, code="invalid_api_key")
         request.state.tenant_id = tenant.tenant_id
         return tenant
+
+    def authorize_operator(self, request: Request) -> None:
+        """The operator endpoints take the admin key (as a Bearer token, or as the password of HTTP
+        Basic auth, which a browser asks for on the dashboard); a tenant's key gets 403."""
+        key = bearer_key(request) or basic_password(request)
+        if self.tenants.is_admin(key):
+            return
+        if key is not None and self.tenants.authenticate(key) is not None:
+            raise APIError(403, "This endpoint is for operators: it needs the admin key, not a tenant's.",
+                           type=PERMISSION_ERROR, code="admin_key_required")
+        message = "This endpoint needs the admin key." if key is None else "Incorrect admin key provided."
+        raise APIError(401, message, type=AUTHENTICATION_ERROR, code="invalid_api_key",
+                       headers={"www-authenticate": 'Basic realm="fairlane operator"'})
 
     @staticmethod
     def check_class(tenant: Tenant, priority: PriorityClass) -> None:

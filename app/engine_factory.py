@@ -45,4 +45,5 @@ def build_engine(settings: Settings, loaded: LoadedModel | None = None,
     tenants = tenants or tenants_of(settings)  # a bad tenants file stops start-up before the model loads
     runner = build_runner(settings, loaded or load_model_for(settings))
     scheduler = Scheduler(scheduler_config_of(settings), runner.geometry, tenants)
-    return Engine(scheduler, runner, max_queued_requests=settings.max_queued_requests), runner
+    return Engine(scheduler, runner, max_queued_requests=settings.max_queued_requests,
+                  stall_after_s=settings.engine_stall_s), runner

@@ -10,6 +10,7 @@ authentication, else "unknown".
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.requests import Request
@@ -25,11 +26,27 @@ from tenancy.tenants import DEFAULT_TENANT, TenantRegistry
 ErrorHandler = Callable[[Request, Exception], Awaitable[Response]]
 
 
+Endpoint = Callable[[Request], Awaitable[Response]]
+
+
+def guarded(endpoint: Callable[..., Any], guard: Callable[[Request], None]) -> Endpoint:
+    """The endpoint, run only for callers the guard lets in."""
+
+    async def checked(request: Request) -> Response:
+        guard(request)
+        response: Response = await endpoint(request)
+        return response
+
+    return checked
+
+
 class Observability:
     def __init__(self, metrics: ServingMetrics, dashboard: DashboardFeed, tenants: TenantRegistry) -> None:
         self.metrics = metrics
         self.dashboard = dashboard
         self._tenants = tenants
+        self.guard: Callable[[Request], None] = lambda request: None  # raises APIError for a caller not let in
+        self.metrics_public = False  # /metrics without the guard
 
     @classmethod
     def attach(cls, engine: Engine, *, tenants: TenantRegistry | None = None,
@@ -45,7 +62,12 @@ class Observability:
         return cls(metrics, dashboard, tenants)
 
     def routes(self) -> list[Route]:
-        return [Route("/metrics", self.prometheus, methods=["GET"]), *self.dashboard.routes()]
+        """Every route behind `guard` (/metrics too unless `metrics_public`): they show every tenant's
+        ids, usage and queues."""
+        metrics = self.prometheus if self.metrics_public else guarded(self.prometheus, self.guard)
+        dashboard = [Route(r.path, guarded(r.endpoint, self.guard), methods=list(r.methods or ["GET"]))
+                     for r in self.dashboard.routes()]
+        return [Route("/metrics", metrics, methods=["GET"]), *dashboard]
 
     def record_rejection(self, reason: RejectionReason, tenant_id: str | None = None) -> None:
         self.metrics.record_rejection(reason, tenant_id)

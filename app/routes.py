@@ -21,6 +21,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from app.admission import RATE_LIMIT_ERROR
 from app.asgi import ClientGone, EventStreamResponse, read_body, unless_disconnected
 from app.batch.runner import RetryLater
 from app.choices import ChoiceSet, DeferredStream
@@ -43,7 +44,7 @@ from app.responses import (
 from app.sampling import best_choices, sampling_params
 from app.schemas import ChatCompletionBody, CompletionBody, FieldRefused, GenerationBody
 from app.tools import ToolStream, template_messages, template_tools, tool_finish_reason, uses_tools, with_tool_calls
-from scheduling.engine import EngineOverloaded, EngineStopped, RequestStream
+from scheduling.engine import EngineOverloaded, EngineStopped, RequestStream, TenantOverShare
 from scheduling.request import PriorityClass, RequestId
 from scheduling.request import Request as EngineRequest
 from scheduling.scheduler import AdmissionError
@@ -116,12 +117,19 @@ class OpenAIRoutes:
                 "max_model_len": self.context.geometry.max_model_len}
 
     async def health(self, request: Request) -> Response:
-        """Alive whenever it answers; ready (200) until shutdown starts, then 503 for load balancers."""
+        """Ready (200) while the engine steps; 503 with the reason once it has failed or stalled (not
+        live: restart me), or while shutting down (live, not ready: send traffic elsewhere)."""
+        engine = self.context.engine.health()
+        if not engine.is_healthy:
+            return json_response({"status": "unhealthy", "live": False, "ready": False, "reason": engine.reason},
+                                 503, headers={"retry-after": RETRY_AFTER_S})
         if self.context.is_draining:
-            return json_response({"status": "draining", "live": True, "ready": False}, 503)
+            return json_response({"status": "draining", "live": True, "ready": False}, 503,
+                                 headers={"retry-after": RETRY_AFTER_S})
         return json_response({"status": "ok", "live": True, "ready": True})
 
     async def stats(self, request: Request) -> Response:
+        self.context.gate.authorize_operator(request)
         return json_response(self.context.engine.stats())
 
     # ---- generation -----------------------------------------------------------------------
@@ -161,7 +169,7 @@ class OpenAIRoutes:
 
     async def _parse(self, request: Request, body_type: type[BodyT]) -> BodyT:
         if self.context.is_draining:
-            raise APIError(503, SHUTTING_DOWN, code="server_shutting_down")
+            raise shutting_down()
         raw = await read_body(request, self.context.settings.max_body_bytes)
         return self._validated(body_type, raw)
 
@@ -225,8 +233,9 @@ class OpenAIRoutes:
     async def run_batch_item(self, tenant_id: str, url: str, raw_body: dict[str, Any]
                              ) -> tuple[int, str, dict[str, Any]]:
         """One Batch API item, run as its endpoint runs a request without streaming, in the batch
-        class under the batch's tenant. Returns (status, request id, response body). Raises RetryLater
-        when the server cannot take it now (overloaded or draining): it stays pending."""
+        class under the batch's tenant, charged to its quotas like any request. Returns (status,
+        request id, response body). Raises RetryLater when it cannot run now (the tenant's
+        tokens_per_minute or concurrency spent, the server overloaded or draining): it stays pending."""
         flavor, body_type = (CHAT, ChatCompletionBody) if url == CHAT_PATH else (COMPLETION, CompletionBody)
         completion_id = flavor.id_prefix + uuid.uuid4().hex
         tenant = self.context.engine.scheduler.tenants.get(tenant_id)
@@ -241,7 +250,7 @@ class OpenAIRoutes:
                 raise RetryLater(str(exc)) from None
             return 500, completion_id, self._failure(exc).body()
         except APIError as exc:
-            if exc.status == 503:
+            if exc.status in (429, 503):  # the tenant's quota or the server is full for now: wait, not fail
                 raise RetryLater(exc.message) from None
             return exc.status, completion_id, exc.body()
 
@@ -266,7 +275,7 @@ class OpenAIRoutes:
         stop_token_ids = self._stop_token_ids(body)
         if sampling.min_tokens:
             sampling = replace(sampling, min_tokens_banned=tuple(sorted(stop_token_ids)))
-        salt = tenant.cache_salt + (f"|request:{body.cache_salt}" if body.cache_salt else "")
+        salt = tenant.cache_salt_for(body.cache_salt)
         per_prompt = body.num_generations
         requests = []
         for index in range(len(prompts) * per_prompt):
@@ -371,17 +380,24 @@ class OpenAIRoutes:
         except AdmissionError as exc:
             param = "max_tokens" if body.requested_max_tokens is not None else flavor.prompt_param
             raise APIError(400, str(exc), param=param, code="context_length_exceeded") from None
+        except TenantOverShare as exc:
+            raise APIError(429, f"Too many requests from this API key while the server is full ({exc}); "
+                                "retry shortly.", type=RATE_LIMIT_ERROR, code="queue_share_exceeded",
+                           headers={"retry-after": RETRY_AFTER_S}) from None
         except EngineOverloaded as exc:
             raise APIError(503, f"The server is overloaded ({exc}); retry shortly.", code="server_overloaded",
                            headers={"retry-after": RETRY_AFTER_S}) from None
-        except EngineStopped:
-            raise APIError(503, SHUTTING_DOWN, code="server_shutting_down") from None
+        except EngineStopped as exc:
+            if self.context.engine.failure is not None:
+                raise APIError(503, f"The server cannot serve requests: {exc}.", code="engine_failed",
+                               headers={"retry-after": RETRY_AFTER_S}) from None
+            raise shutting_down() from None
 
     def _failure(self, exc: GenerationFailed) -> APIError:
         """A request the engine ended with an error: a 503 while draining or overloaded, else the
         server's fault."""
         if self.context.is_draining:
-            return APIError(503, SHUTTING_DOWN, code="server_shutting_down")
+            return shutting_down()
         if exc.status == 503:
             return APIError(503, str(exc), code="server_overloaded", headers={"retry-after": RETRY_AFTER_S})
         return APIError(500, str(exc), type=SERVER_ERROR)
@@ -411,6 +427,10 @@ class OpenAIRoutes:
             error = self._failure(exc)
             yield sse_error_event(error.message, error.type, error.code)
         yield DONE_EVENT
+
+
+def shutting_down() -> APIError:
+    return APIError(503, SHUTTING_DOWN, code="server_shutting_down", headers={"retry-after": RETRY_AFTER_S})
 
 
 def tool_stream_events(chunks: ChunkEncoder, tools: ToolStream, index: int, piece: TextPiece) -> list[bytes]:

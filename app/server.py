@@ -27,6 +27,7 @@ from app.batch.api import BatchAPI
 from app.cli import add_model_flags, settings_from_args
 from app.context import ServingContext
 from app.errors import APIError, api_error_handler, http_exception_handler, unexpected_error_handler
+from app.http_limits import BodyTimeoutMiddleware, header_timeout_protocol, uvicorn_limit_concurrency
 from app.observability import Observability
 from app.routes import CLIENT_CLOSED_STATUS, SHUTTING_DOWN, OpenAIRoutes
 from app.tokenization import TokenizationRoutes
@@ -61,6 +62,8 @@ def create_app(context: ServingContext) -> ASGIApp:
             await context.engine.shutdown(SHUTTING_DOWN)
 
     observability = Observability.attach(context.engine, is_draining=lambda: context.is_draining)
+    observability.guard = context.gate.authorize_operator
+    observability.metrics_public = context.settings.metrics_public
     tokenization = TokenizationRoutes(context)
     routes = [*openai.routes(), *tokenization.routes(), *batches.routes, *observability.routes()]
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={
@@ -92,10 +95,22 @@ class DrainingServer(uvicorn.Server):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._drain_task: asyncio.Task[None] | None = None
         self._is_shutdown_requested = False
+        self.exit_code = 0  # 1 once the engine has failed: a supervisor should restart the process
+        context.engine.on_failure.append(self._on_engine_failure)
 
     async def serve(self, sockets: Any = None) -> None:
         self._loop = asyncio.get_running_loop()
         await super().serve(sockets)
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop | None:
+        """The event loop the server runs on, once it runs."""
+        return self._loop
+
+    def _on_engine_failure(self, reason: str) -> None:
+        logger.error("the engine failed (%s): stopping with exit status 1", reason)
+        self.exit_code = 1
+        self.request_shutdown()
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self._is_shutdown_requested:
@@ -124,9 +139,15 @@ class DrainingServer(uvicorn.Server):
 
 
 def uvicorn_config(context: ServingContext, *, access_log: bool = True, log_level: str = "info") -> uvicorn.Config:
+    """uvicorn for this app, with the HTTP limits of app.http_limits: a deadline on each request head
+    (our subclass of uvicorn's httptools protocol), on each wait for a body piece, and a cap on open
+    connections (uvicorn's limit_concurrency: a request on one connection too many gets 503)."""
     settings = context.settings
-    return uvicorn.Config(create_app(context), host=settings.host, port=settings.port, lifespan="on",
-                          access_log=access_log, log_level=log_level, timeout_graceful_shutdown=CLOSE_TIMEOUT_S)
+    app = BodyTimeoutMiddleware(create_app(context), settings.http_body_timeout_s)
+    return uvicorn.Config(app, host=settings.host, port=settings.port, lifespan="on",
+                          access_log=access_log, log_level=log_level, timeout_graceful_shutdown=CLOSE_TIMEOUT_S,
+                          http=header_timeout_protocol(settings.http_header_timeout_s),
+                          limit_concurrency=uvicorn_limit_concurrency(settings.max_connections))
 
 
 def add_serve_command(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -155,5 +176,6 @@ def run_serve(args: argparse.Namespace) -> int:
     warn_if_unauthenticated(settings)
     engine, runner = build_engine(settings)
     context = ServingContext(settings, engine, runner.loaded.tokenizer)
-    DrainingServer(uvicorn_config(context), context).run()
-    return 0
+    server = DrainingServer(uvicorn_config(context), context)
+    server.run()
+    return server.exit_code

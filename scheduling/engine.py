@@ -10,7 +10,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections import Counter
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -27,8 +28,19 @@ class EngineOverloaded(RuntimeError):
     """The bounded queue is full: the caller should answer 503 with Retry-After."""
 
 
+class TenantOverShare(EngineOverloaded):
+    """The queue is full and this tenant holds more than its weighted share of it: the caller should
+    answer 429, as the tenant's own limits would, not 503, which would blame the server."""
+
+
 class EngineStopped(RuntimeError):
-    """The engine is shutting down and takes no new requests."""
+    """The engine is shutting down, or has failed, and takes no new requests."""
+
+
+@dataclass(slots=True, frozen=True)
+class EngineHealth:
+    is_healthy: bool
+    reason: str | None = None  # why not, for /health and the logs
 
 
 class EngineObserver(Protocol):
@@ -85,10 +97,16 @@ class EngineTimes:
 
 
 class Engine:
-    def __init__(self, scheduler: Scheduler, executor: Executor, *, max_queued_requests: int = 1024) -> None:
+    def __init__(self, scheduler: Scheduler, executor: Executor, *, max_queued_requests: int = 1024,
+                 stall_after_s: float = 60.0) -> None:
         self.scheduler = scheduler
         self.executor = executor
         self.max_queued_requests = max_queued_requests
+        self.stall_after_s = stall_after_s
+        self.failure: str | None = None  # set once when the loop dies; the engine then refuses everything
+        self.on_failure: list[Callable[[str], None]] = []  # told once, on the event loop, when the loop dies
+        self._last_progress = time.monotonic()  # the end of the last step, or when work arrived at an idle engine
+        self._in_flight_by_tenant: Counter[str] = Counter()
         self.times = EngineTimes()
         self._streams: dict[RequestId, RequestStream] = {}
         self._incoming: list[Request] = []
@@ -109,17 +127,54 @@ class Engine:
 
     def submit(self, request: Request) -> RequestStream:
         """Queue a request; its events arrive on the returned stream. Raises when full or stopping."""
+        if self.failure is not None:
+            raise EngineStopped(f"the engine has failed: {self.failure}")
         if not self._accepting:
             raise EngineStopped("the server is shutting down")
-        if len(self._streams) >= self.max_queued_requests:
-            raise EngineOverloaded(f"the engine has {len(self._streams)} requests in flight")
+        self._check_room(request.tenant_id)
         self.scheduler.check_admissible(request.num_prompt_tokens, request.max_tokens)
         stream = RequestStream(self, request)
+        if not self._streams:
+            self._last_progress = time.monotonic()  # an idle engine has not stalled
         self._streams[request.request_id] = stream
+        self._in_flight_by_tenant[request.tenant_id] += 1
         self._idle.clear()
         self._incoming.append(request)
         self._wake.set()
         return stream
+
+    def _check_room(self, tenant_id: str) -> None:
+        """The queue is shared by weight, as the KV blocks are: while there is room anyone may use it
+        (an idle tenant's share is borrowed); once it is full, a tenant under its weighted share of
+        `max_queued_requests` still gets in (so one tenant's flood never turns into another's 503,
+        and the queue holds at most twice its size), and one over it gets TenantOverShare (or
+        EngineOverloaded when it is the only tenant in flight)."""
+        if len(self._streams) < self.max_queued_requests:
+            return
+        held = self._in_flight_by_tenant[tenant_id]
+        if held < self.queue_share(tenant_id):
+            return
+        if held == len(self._streams):  # nobody else is waiting: the server, not a neighbour, is full
+            raise EngineOverloaded(f"the engine has {len(self._streams)} requests in flight")
+        raise TenantOverShare(f"the engine queue is full and this tenant holds {held} of its "
+                              f"{len(self._streams)} requests, its weighted share or more")
+
+    def queue_share(self, tenant_id: str) -> float:
+        """The tenant's weighted share of the queue among the tenants with requests in flight and itself."""
+        tenants = self.scheduler.tenants
+        active = {t for t, n in self._in_flight_by_tenant.items() if n > 0} | {tenant_id}
+        total_weight = sum(tenants.weight(t) for t in active)
+        return self.max_queued_requests * tenants.weight(tenant_id) / total_weight
+
+    def health(self) -> EngineHealth:
+        """Unhealthy once the loop has died, or while work waits and no step has ended for stall_after_s."""
+        if self.failure is not None:
+            return EngineHealth(False, f"the engine failed: {self.failure}")
+        stalled_s = time.monotonic() - self._last_progress
+        if self._streams and stalled_s > self.stall_after_s:
+            return EngineHealth(False, f"the engine has not finished a step for {stalled_s:.0f} s "
+                                       f"with {len(self._streams)} requests in flight")
+        return EngineHealth(True)
 
     def finish(self, request_id: RequestId, status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
         """Abort (or stop) a request; takes effect before the next step."""
@@ -187,23 +242,54 @@ class Engine:
     # ---- the loop -------------------------------------------------------------------------
 
     async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            await self._wake.wait()
-            self._apply_commands()
-            if not self.scheduler.has_work():
-                self._wake.clear()
-                continue
-            started = time.perf_counter()
-            plan = self.scheduler.schedule()
+        """Steps while there is work. Supervised: a failure of the scheduler or the engine's own code
+        (anything but the executor, whose failures end only the requests of that step) kills the
+        loop loudly: every in-flight request gets an error, `failure` is set, and `on_failure`
+        callbacks run (the server then answers 503 and exits non-zero)."""
+        try:
+            while True:
+                await self._step()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            logger.exception("the engine loop failed")
+            self._fail_loudly(f"{type(exc).__name__}: {exc}")
+
+    async def _step(self) -> None:
+        await self._wake.wait()
+        self._apply_commands()
+        if not self.scheduler.has_work():
+            self._wake.clear()
+            return
+        started = time.perf_counter()
+        plan = self.scheduler.schedule()
+        try:
+            result = await asyncio.get_running_loop().run_in_executor(self._pool, self.executor.execute, plan)
+        except Exception as exc:  # a failed step must not strand the requests in it
+            logger.exception("engine step failed")
+            self._dispatch(self.scheduler.fail_all(f"the engine failed: {type(exc).__name__}"))
+            return
+        self._dispatch(self.scheduler.update(plan, result))
+        self._account(plan, result, time.perf_counter() - started)
+
+    def _fail_loudly(self, reason: str) -> None:
+        """End every in-flight stream with an error without asking the scheduler, whose state may be
+        what broke."""
+        self.failure = reason
+        self._accepting = False
+        streams, self._streams = self._streams, {}
+        self._in_flight_by_tenant.clear()
+        for stream in streams.values():
+            request = stream.request
+            stream.push(TokenEvent(request.request_id, (), "error", request.num_prompt_tokens,
+                                   request.num_output_tokens, request.num_cached_tokens,
+                                   f"the engine failed: {reason}"))
+        self._idle.set()
+        for callback in self.on_failure:
             try:
-                result = await loop.run_in_executor(self._pool, self.executor.execute, plan)
-            except Exception as exc:  # a failed step must not strand the requests in it
-                logger.exception("engine step failed")
-                self._dispatch(self.scheduler.fail_all(f"the engine failed: {type(exc).__name__}"))
-                continue
-            self._dispatch(self.scheduler.update(plan, result))
-            self._account(plan, result, time.perf_counter() - started)
+                callback(reason)
+            except Exception:
+                logger.exception("an engine failure callback failed")
 
     def _apply_commands(self) -> None:
         incoming, self._incoming = self._incoming, []
@@ -223,6 +309,7 @@ class Engine:
                 continue
             if event.is_final:
                 del self._streams[event.request_id]
+                self._in_flight_by_tenant[stream.request.tenant_id] -= 1
                 if not self._streams:
                     self._idle.set()
             stream.push(event)
@@ -232,12 +319,16 @@ class Engine:
         if event.new_token_ids and request.first_token_time is None:
             request.first_token_time = now
         for observer in self.observers:
-            if event.new_token_ids:
-                observer.on_tokens(request, event, now)
-            if event.is_final:
-                observer.on_finished(request, event, now)
+            try:
+                if event.new_token_ids:
+                    observer.on_tokens(request, event, now)
+                if event.is_final:
+                    observer.on_finished(request, event, now)
+            except Exception:  # a metrics or quota bug must not stop the engine for everyone
+                logger.exception("engine observer %s failed on %s", type(observer).__name__, request.request_id)
 
     def _account(self, plan: StepPlan, result: StepResult, seconds: float) -> None:
+        self._last_progress = time.monotonic()
         self.times.steps += 1
         self.times.busy_seconds += seconds
         self.times.forward_seconds += result.forward_seconds

@@ -1,13 +1,15 @@
 """Tenants: who they are, their weight, their keys (hashes only), their classes and limits.
 
-Tenants come from a TOML file of `[[tenants]]` entries. Without one there is a single tenant,
-`default`, and no authentication.
+Tenants come from a TOML file of `[[tenants]]` entries, and an optional `[admin]` table whose
+`api_key_hashes` open the operator endpoints (/stats, /metrics, /dashboard). Without a file there is
+a single tenant, `default`, and no authentication anywhere.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import json
 import math
 import re
 import secrets
@@ -46,9 +48,13 @@ class Tenant:
     limits: TenantLimits = field(default_factory=TenantLimits)
     cache_group: str | None = None  # tenants naming the same group share prefix-cache entries
 
-    @property
-    def cache_salt(self) -> str:
-        return f"group:{self.cache_group}" if self.cache_group else f"tenant:{self.tenant_id}"
+    def cache_salt_for(self, request_salt: str | None = None) -> str:
+        """The prefix-cache salt of this tenant's request: its cache group or itself, and the request's
+        own salt, JSON-encoded so that no tenant id or salt can be made to read as another's
+        (a `|`-joined string let the tenant 'a|request:b' share the salted prefix of tenant 'a'
+        with salt 'b')."""
+        owner = ["group", self.cache_group] if self.cache_group else ["tenant", self.tenant_id]
+        return json.dumps([*owner, request_salt], ensure_ascii=False, separators=(",", ":"))
 
 
 def hash_api_key(key: str) -> str:
@@ -62,10 +68,12 @@ def new_api_key() -> str:
 class TenantRegistry:
     """Looks tenants up by id and by API key. Keys are compared in constant time."""
 
-    def __init__(self, tenants: Iterable[Tenant], *, requires_auth: bool) -> None:
+    def __init__(self, tenants: Iterable[Tenant], *, requires_auth: bool, admin_key_hashes: Iterable[str] = ()
+                 ) -> None:
         self._tenants = {t.tenant_id: t for t in tenants}
         self.requires_auth = requires_auth
         self._key_hashes = [(h.encode(), t) for t in self._tenants.values() for h in t.api_key_hashes]
+        self._admin_key_hashes = [h.encode() for h in admin_key_hashes]
 
     @classmethod
     def single_default(cls) -> TenantRegistry:
@@ -94,6 +102,16 @@ class TenantRegistry:
             if hmac.compare_digest(presented, known):
                 found = tenant
         return found
+
+    def is_admin(self, api_key: str | None) -> bool:
+        """Whether the key opens the operator endpoints: any key without a tenants file, else one of
+        the `[admin]` hashes (compared in constant time, like tenant keys)."""
+        if not self.requires_auth:
+            return True
+        if not api_key:
+            return False
+        presented = hash_api_key(api_key).encode()
+        return any([hmac.compare_digest(presented, known) for known in self._admin_key_hashes])
 
 
 def _positive_int(entry: str, data: Mapping[str, Any], key: str) -> int | None:
@@ -168,7 +186,15 @@ def load_tenants(path: str | Path) -> TenantRegistry:
         if tenant.tenant_id in seen:
             raise TenantsFileError(f"tenants[{i}]: 'id' '{tenant.tenant_id}' appears twice")
         seen.add(tenant.tenant_id)
-    return TenantRegistry(tenants, requires_auth=True)
+    return TenantRegistry(tenants, requires_auth=True, admin_key_hashes=_parse_admin(document.get("admin")))
+
+
+def _parse_admin(raw: Any) -> tuple[str, ...]:
+    if raw is None:
+        return ()
+    if not isinstance(raw, dict) or set(raw) - {"api_key_hashes"}:
+        raise TenantsFileError("admin: must be a table with only 'api_key_hashes'")
+    return _parse_key_hashes("admin", raw.get("api_key_hashes", []))
 
 
 NEW_TENANT_ID = re.compile(r"[A-Za-z0-9._-]{1,64}")  # written into TOML unescaped, so kept plain

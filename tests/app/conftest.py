@@ -7,6 +7,7 @@ script (framing, stop strings, UTF-8, validation fuzzing) at no model cost.
 
 from __future__ import annotations
 
+import asyncio
 import tempfile
 import threading
 import time
@@ -14,7 +15,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
 from app.context import ServingContext
@@ -52,8 +52,9 @@ def wait_for(predicate: Callable[[], bool], *, timeout: float = 10.0, interval: 
 class RecordingEngine(Engine):
     """An engine that keeps every request it was given, so tests can see what the API built."""
 
-    def __init__(self, scheduler: Scheduler, executor: Executor, *, max_queued_requests: int = 1024) -> None:
-        super().__init__(scheduler, executor, max_queued_requests=max_queued_requests)
+    def __init__(self, scheduler: Scheduler, executor: Executor, *, max_queued_requests: int = 1024,
+                 stall_after_s: float = 60.0) -> None:
+        super().__init__(scheduler, executor, max_queued_requests=max_queued_requests, stall_after_s=stall_after_s)
         self.submitted: list[Request] = []
 
     def submit(self, request: Request) -> RequestStream:
@@ -76,6 +77,10 @@ class ServerThread:
         return self.context.engine
 
     @property
+    def is_running(self) -> bool:
+        return self._thread.is_alive()
+
+    @property
     def model_name(self) -> str:
         return self.context.model_name
 
@@ -93,10 +98,12 @@ class ServerThread:
         assert not self._thread.is_alive(), "uvicorn did not stop"
 
     def stats(self) -> dict[str, Any]:
-        response = httpx.get(f"{self.base_url}/stats", timeout=10)
-        response.raise_for_status()
-        result: dict[str, Any] = response.json()
-        return result
+        """The engine's /stats, read on the server's event loop (no admin key needed)."""
+        async def read() -> dict[str, Any]:
+            return self.context.engine.stats()
+
+        assert self.server.loop is not None
+        return asyncio.run_coroutine_threadsafe(read(), self.server.loop).result(timeout=10)
 
 
 def fresh_db_path() -> str:
@@ -122,7 +129,8 @@ def instant_context(script: bytes | None = None, **overrides: Any) -> ServingCon
 
 def _context(settings: Settings, executor: Executor, tokenizer: Tokenizer) -> ServingContext:
     scheduler = Scheduler(scheduler_config_of(settings), executor.geometry, tenants_of(settings))
-    engine = RecordingEngine(scheduler, executor, max_queued_requests=settings.max_queued_requests)
+    engine = RecordingEngine(scheduler, executor, max_queued_requests=settings.max_queued_requests,
+                             stall_after_s=settings.engine_stall_s)
     return ServingContext(settings, engine, tokenizer)
 
 

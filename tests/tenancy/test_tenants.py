@@ -50,10 +50,10 @@ id = "bob"
     alice = registry.get("alice")
     assert alice == Tenant(TenantId("alice"), 2.0, (GOOD_HASH,), frozenset({"interactive"}),
                            TenantLimits(4, 16, 100000, 2048), "shared-docs")
-    assert alice.cache_salt == "group:shared-docs"
+    assert alice.cache_salt_for() == Tenant(TenantId("zed"), cache_group="shared-docs").cache_salt_for()
     bob = registry.get("bob")
     assert bob.weight == 1.0 and bob.api_key_hashes == () and bob.classes == frozenset({"interactive", "batch"})
-    assert bob.limits == TenantLimits() and bob.cache_salt == "tenant:bob"
+    assert bob.limits == TenantLimits() and bob.cache_salt_for() != alice.cache_salt_for()
     assert [t.tenant_id for t in registry] == ["alice", "bob"]
     assert registry.weight("alice") == 2.0
     assert registry.get("stranger").weight == 1.0  # ids not in the file: an unlimited weight-1 stand-in
@@ -210,3 +210,29 @@ def test_append_tenant_refuses_to_extend_a_broken_file(tmp_path: Path) -> None:
     with pytest.raises(TenantsFileError, match="'weight'"):
         append_tenant(path, "bob", 1)
     assert "bob" not in path.read_text(encoding="utf-8")
+
+
+def test_cache_salts_cannot_be_forged_by_tenant_ids_or_request_salts() -> None:
+    plain = Tenant(TenantId("a")).cache_salt_for("b")
+    forged = Tenant(TenantId("a|request:b")).cache_salt_for(None)
+    forged_json = Tenant(TenantId('a","b')).cache_salt_for(None)
+    group = Tenant(TenantId("x"), cache_group="team")
+
+    assert len({plain, forged, forged_json, Tenant(TenantId("a")).cache_salt_for(None)}) == 4
+    assert group.cache_salt_for() == Tenant(TenantId("y"), cache_group="team").cache_salt_for()
+    assert group.cache_salt_for() != Tenant(TenantId("team")).cache_salt_for()
+    assert group.cache_salt_for("s") != group.cache_salt_for()
+
+
+def test_the_admin_table_holds_operator_keys(tmp_path: Path) -> None:
+    path = tmp_path / "tenants.toml"
+    path.write_text(f'[admin]\napi_key_hashes = ["{hash_api_key("root-key")}"]\n\n'
+                    f'[[tenants]]\nid = "a"\napi_key_hashes = ["{hash_api_key("a-key")}"]\n')
+    registry = load_tenants(path)
+
+    assert registry.is_admin("root-key")
+    assert not registry.is_admin("a-key") and not registry.is_admin(None) and not registry.is_admin("")
+    assert TenantRegistry.single_default().is_admin(None)  # no tenants file: nothing is closed
+    path.write_text('[admin]\nkeys = ["x"]\n\n[[tenants]]\nid = "a"\n')
+    with pytest.raises(TenantsFileError, match="admin"):
+        load_tenants(path)

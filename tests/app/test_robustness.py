@@ -1,0 +1,223 @@
+"""What one tenant or one fault must not do to the server: operator endpoints closed to tenants, a
+dead engine loop failing loudly, one tenant's flood never another's 503, shutdown 503s that say when
+to come back."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from app.batch.runner import RetryLater
+from app.routes import OpenAIRoutes
+from config.settings import load_settings
+from gpu.plan import CacheGeometry, StepPlan, StepResult
+from gpu.tokenizer import ByteTokenizer
+from loadtest.instant_executor import InstantExecutor, instant_geometry
+from tenancy.tenants import hash_api_key
+from tests.app.conftest import INSTANT_SETTINGS, ServerThread, _context, fresh_db_path, instant_context, wait_for
+
+ADMIN_KEY = "fl-admin-key"
+KEYS = {"alice": "fl-alice-key", "bob": "fl-bob-key"}
+TENANTS_TOML = f"""
+[admin]
+api_key_hashes = ["{hash_api_key(ADMIN_KEY)}"]
+
+[[tenants]]
+id = "alice"
+api_key_hashes = ["{hash_api_key(KEYS['alice'])}"]
+
+[[tenants]]
+id = "bob"
+api_key_hashes = ["{hash_api_key(KEYS['bob'])}"]
+"""
+OPERATOR_PATHS = ["/stats", "/metrics", "/dashboard", "/dashboard/dashboard.js"]
+
+
+@pytest.fixture(scope="module")
+def tenants_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("tenants") / "tenants.toml"
+    path.write_text(TENANTS_TOML)
+    return path
+
+
+class GatedExecutor(InstantExecutor):
+    """The instant executor, holding every step until `gate` is set."""
+
+    def __init__(self, geometry: CacheGeometry) -> None:
+        super().__init__(geometry)
+        self.gate = threading.Event()
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        self.gate.wait(timeout=60)
+        return super().execute(plan)
+
+
+def gated_server(tenants_file: Path | None = None, **overrides: Any) -> tuple[ServerThread, GatedExecutor]:
+    settings = load_settings(environ={}, overrides={**INSTANT_SETTINGS, "batch_db_path": fresh_db_path(),
+                                                    "tenants_file": str(tenants_file) if tenants_file else None,
+                                                    **overrides})
+    executor = GatedExecutor(instant_geometry(settings, max_model_len=1024))
+    return ServerThread(_context(settings, executor, ByteTokenizer())).start(), executor
+
+
+def bearer(key: str) -> dict[str, str]:
+    return {"authorization": f"Bearer {key}"}
+
+
+def completion(server: ServerThread, **fields: Any) -> dict[str, Any]:
+    return {"model": server.model_name, "prompt": "hi", "max_tokens": 2, **fields}
+
+
+@pytest.fixture(scope="module")
+def guarded_server(tenants_file: Path) -> Iterator[ServerThread]:
+    server = ServerThread(instant_context(tenants_file=str(tenants_file))).start()
+    yield server
+    server.stop()
+
+
+@pytest.mark.parametrize("path", OPERATOR_PATHS)
+def test_operator_endpoints_take_only_the_admin_key(guarded_server: ServerThread, path: str) -> None:
+    url = guarded_server.base_url + path
+    anonymous = httpx.get(url, timeout=10)
+    tenant = httpx.get(url, headers=bearer(KEYS["alice"]), timeout=10)
+    wrong = httpx.get(url, headers=bearer("fl-guess"), timeout=10)
+    admin = httpx.get(url, headers=bearer(ADMIN_KEY), timeout=10)
+    basic = base64.b64encode(f"operator:{ADMIN_KEY}".encode()).decode()
+    browser = httpx.get(url, headers={"authorization": f"Basic {basic}"}, timeout=10)
+
+    assert anonymous.status_code == 401 and "basic" in anonymous.headers["www-authenticate"].lower()
+    assert tenant.status_code == 403 and tenant.json()["error"]["code"] == "admin_key_required"
+    assert wrong.status_code == 401
+    assert admin.status_code == 200 and browser.status_code == 200
+
+
+def test_the_dashboard_event_stream_is_guarded_too(guarded_server: ServerThread) -> None:
+    url = guarded_server.base_url + "/dashboard/events"
+    assert httpx.get(url, headers=bearer(KEYS["bob"]), timeout=10).status_code == 403
+    with httpx.stream("GET", url, headers=bearer(ADMIN_KEY), timeout=10) as events:
+        assert events.status_code == 200
+        assert any(line.startswith("data: ") for line in events.iter_lines())
+
+
+def test_metrics_public_opens_metrics_alone(tenants_file: Path) -> None:
+    server = ServerThread(instant_context(tenants_file=str(tenants_file), metrics_public=True)).start()
+    try:
+        metrics = httpx.get(server.base_url + "/metrics", timeout=10)
+        stats = httpx.get(server.base_url + "/stats", timeout=10)
+    finally:
+        server.stop()
+    assert metrics.status_code == 200 and "fairlane" in metrics.text
+    assert stats.status_code == 401
+
+
+def test_a_dead_engine_loop_fails_requests_loudly_and_stops_the_server() -> None:
+    server = ServerThread(instant_context()).start()
+    engine = server.context.engine
+    original = engine.scheduler.update
+    calls = [0]
+
+    def update(*args: Any) -> Any:
+        calls[0] += 1
+        if calls[0] > 5:
+            raise RuntimeError("injected update failure")
+        return original(*args)
+
+    engine.scheduler.update = update  # type: ignore[method-assign,assignment]
+    with httpx.stream("POST", server.base_url + "/v1/completions", timeout=20,
+                      json=completion(server, max_tokens=200, stream=True)) as streamed:
+        lines = [line for line in streamed.iter_lines() if line]
+    wait_for(lambda: not server.is_running, timeout=30, what="the server to stop by itself")
+
+    assert lines[-1] == "data: [DONE]" and "injected update failure" in lines[-2]
+    assert server.server.exit_code == 1
+    health = engine.health()  # what /health answered until the server was gone
+    assert not health.is_healthy and health.reason is not None and "injected update failure" in health.reason
+
+
+async def test_one_tenants_flood_is_not_anothers_503(tenants_file: Path) -> None:
+    server, executor = gated_server(tenants_file, max_queued_requests=4)
+    try:
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=30) as http:
+            async def send(tenant: str) -> httpx.Response:
+                return await http.post("/v1/completions", json=completion(server), headers=bearer(KEYS[tenant]))
+
+            flood = [asyncio.create_task(send("alice")) for _ in range(6)]
+            await asyncio.to_thread(wait_for, lambda: server.engine.num_unfinished == 4, what="alice to fill it")
+            light = [asyncio.create_task(send("bob")) for _ in range(2)]
+            await asyncio.to_thread(wait_for, lambda: server.engine.num_unfinished == 6, what="bob's requests")
+            executor.gate.set()
+            flooded = await asyncio.gather(*flood)
+            served = await asyncio.gather(*light)
+    finally:
+        executor.gate.set()
+        server.stop()
+    assert sorted(r.status_code for r in flooded) == [200, 200, 200, 200, 503, 503]  # alone, the server was full
+    assert [r.status_code for r in served] == [200, 200]
+
+
+async def test_past_its_share_a_tenant_gets_429(tenants_file: Path) -> None:
+    server, executor = gated_server(tenants_file, max_queued_requests=4)
+    try:
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=30) as http:
+            async def send(tenant: str) -> httpx.Response:
+                return await http.post("/v1/completions", json=completion(server), headers=bearer(KEYS[tenant]))
+
+            first = [asyncio.create_task(send(t)) for t in ("bob", "alice", "alice", "alice")]
+            await asyncio.to_thread(wait_for, lambda: server.engine.num_unfinished == 4, what="a full queue")
+            over = await send("alice")
+            executor.gate.set()
+            await asyncio.gather(*first)
+    finally:
+        executor.gate.set()
+        server.stop()
+    assert over.status_code == 429 and over.json()["error"]["code"] == "queue_share_exceeded"
+    assert over.headers["retry-after"] == "1"
+
+
+def test_shutdown_503s_carry_retry_after() -> None:
+    server, executor = gated_server(shutdown_grace_s=30)
+    try:
+        held = threading.Thread(target=httpx.post, args=(server.base_url + "/v1/completions",),
+                                kwargs={"json": completion(server), "timeout": 30})
+        held.start()
+        wait_for(lambda: server.engine.num_unfinished == 1, what="a request in flight")
+        server.server.request_shutdown()
+        wait_for(lambda: server.context.is_draining, what="the drain to start")
+        refused = httpx.post(server.base_url + "/v1/completions", json=completion(server), timeout=10)
+        health = httpx.get(server.base_url + "/health", timeout=10)
+        executor.gate.set()
+        held.join(timeout=30)
+    finally:
+        executor.gate.set()
+        server.stop()
+    assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+    assert health.status_code == 503 and health.headers["retry-after"] == "1"
+
+
+def test_batch_items_wait_for_their_tenants_tokens_per_minute(tmp_path: Path) -> None:
+    tenants = tmp_path / "tenants.toml"
+    tenants.write_text(f'[[tenants]]\nid = "alice"\napi_key_hashes = ["{hash_api_key(KEYS["alice"])}"]\n'
+                       "tokens_per_minute = 20\n")
+    server = ServerThread(instant_context(tenants_file=str(tenants))).start()
+    routes = OpenAIRoutes(server.context)
+    item = {"model": server.model_name, "prompt": "hello", "max_tokens": 10, "ignore_eos": True}
+
+    def run_item() -> tuple[int, str, dict[str, Any]]:
+        assert server.server.loop is not None
+        work = routes.run_batch_item("alice", "/v1/completions", item)
+        return asyncio.run_coroutine_threadsafe(work, server.server.loop).result(timeout=30)
+
+    try:
+        status, _, body = run_item()  # 15 of the 20 tokens
+        with pytest.raises(RetryLater, match="tokens_per_minute"):
+            run_item()  # the rest of the minute holds 5: it waits, it does not fail
+    finally:
+        server.stop()
+    assert status == 200 and body["usage"]["total_tokens"] == 15

@@ -218,3 +218,15 @@ def append_tenant(path: str | Path, tenant_id: str, weight: float) -> str:
         handle.write(block)
     load_tenants(file)  # the file must still parse
     return key
+
+
+def append_admin_key(path: str | Path) -> str:
+    """Add an `[admin]` table with a fresh operator key to an existing tenants file; returns the key."""
+    file = Path(path)
+    document = tomllib.loads(file.read_text(encoding="utf-8")) if file.exists() else {}
+    if "admin" in document:
+        raise TenantsFileError(f"{path} already has an [admin] table: add the hash of a new key to it by hand")
+    key = new_api_key()
+    with open(file, "a", encoding="utf-8") as handle:
+        handle.write(f'\n[admin]\napi_key_hashes = ["{hash_api_key(key)}"]\n')
+    return key

@@ -58,3 +58,17 @@ def test_tenants_needs_an_action(capsys: pytest.CaptureFixture[str]) -> None:
         main(["tenants"])
     assert exited.value.code == 2
     assert "tenants" in capsys.readouterr().err
+
+
+def test_tenants_admin_key_adds_the_operator_key_once(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "tenants.toml"
+    assert main(["tenants", "add", "alice", "--file", str(path)]) == 0
+    tenant_key = capsys.readouterr().out.strip()
+    assert main(["tenants", "admin-key", "--file", str(path)]) == 0
+    admin_key = capsys.readouterr().out.strip()
+    registry = load_tenants(path)
+
+    assert registry.is_admin(admin_key) and not registry.is_admin(tenant_key)
+    assert admin_key not in path.read_text(encoding="utf-8")
+    assert main(["tenants", "admin-key", "--file", str(path)]) == 2  # one [admin] table per file
+    assert "already has an [admin] table" in capsys.readouterr().err

@@ -8,6 +8,7 @@ import sys
 import uuid
 from collections.abc import Callable, Sequence
 
+from app.batch.database import StoreError
 from app.tenants_cli import add_tenants_command
 from config.settings import Settings, SettingsError, load_settings
 from tenancy.tenants import TenantsFileError
@@ -102,7 +103,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.handler(args))
-    except (SettingsError, TenantsFileError) as exc:
+    except (SettingsError, TenantsFileError, StoreError) as exc:
         print(f"fairlane: {exc}", file=sys.stderr)
         return 2
 

@@ -21,6 +21,8 @@ class BatchAPI:
 
     @classmethod
     def build(cls, settings: Settings, gate: AdmissionGate, execute: ItemExecutor, model_name: str) -> BatchAPI:
+        """Opens and checks the database: raises DatabaseUnusable (a StoreError naming the path) when the
+        file is not a sound SQLite database, so start-up stops there instead of answering 500s later."""
         store = BatchStore(settings.batch_db_path)
         runner = BatchRunner(store, execute, max_in_flight=settings.batch_max_in_flight,
                              poll_seconds=settings.batch_poll_s)
@@ -31,4 +33,4 @@ class BatchAPI:
     async def stop(self) -> None:
         """Items still running stay pending in the store: a restarted server runs them again."""
         await self.runner.stop()
-        self.store.close()
+        await self.store.close()

@@ -6,12 +6,11 @@ same as an id that does not exist. File content is never logged.
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator
+import asyncio
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.datastructures import UploadFile
-from starlette.formparsers import MultiPartException, MultiPartParser
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
@@ -19,8 +18,9 @@ from starlette.routing import Route
 from app.admission import AdmissionGate
 from app.asgi import read_body
 from app.batch.runner import BatchRunner
-from app.batch.service import fail_validation, new_batch, parse_input_file
-from app.batch.store import BatchStore
+from app.batch.service import ACTIVE_STATUSES, CANCELLABLE_STATUSES, fail_validation, new_batch, parse_input_file
+from app.batch.store import BatchStore, StoredFile
+from app.batch.uploads import parse_upload_form, storage_errors
 from app.errors import APIError, from_validation_error, json_response
 from scheduling.request import PriorityClass
 from tenancy.tenants import Tenant
@@ -65,8 +65,7 @@ class BatchRoutes:
 
     async def upload_file(self, request: Request) -> Response:
         tenant = self.gate.authenticate(request)
-        raw = await read_body(request, self.max_upload_bytes)
-        form = await self._parse_form(request, raw)
+        form = await parse_upload_form(request, self.max_upload_bytes)
         try:
             upload, purpose = form.get("file"), form.get("purpose")
             if not isinstance(upload, UploadFile):
@@ -74,51 +73,39 @@ class BatchRoutes:
             if purpose not in FILE_PURPOSES:
                 raise APIError(400, f"Invalid purpose {purpose!r}; this server accepts {list(FILE_PURPOSES)}.",
                                param="purpose")
-            content = await upload.read()
+            with storage_errors("the file"):
+                stored = await self.store.add_file(tenant.tenant_id, upload.filename or "upload.jsonl",
+                                                   str(purpose), upload.file)
         finally:
             await form.close()
-        stored = self.store.add_file(tenant.tenant_id, upload.filename or "upload.jsonl", str(purpose), content)
         return json_response(stored.as_openai())
-
-    async def _parse_form(self, request: Request, raw: bytes) -> Any:
-        if not request.headers.get("content-type", "").startswith("multipart/form-data"):
-            raise APIError(400, "Upload files as multipart/form-data with 'file' and 'purpose' parts.")
-
-        async def body() -> AsyncGenerator[bytes, None]:
-            yield raw
-
-        try:
-            return await MultiPartParser(request.headers, body(), max_files=1, max_fields=8,
-                                         max_part_size=self.max_upload_bytes).parse()
-        except MultiPartException as exc:
-            raise APIError(400, f"Malformed multipart form: {exc.message}") from None
 
     async def list_files(self, request: Request) -> Response:
         tenant = self.gate.authenticate(request)
-        files = self.store.list_files(tenant.tenant_id, request.query_params.get("purpose"))
+        files = await self.store.list_files(tenant.tenant_id, request.query_params.get("purpose"))
         return json_response({"object": "list", "data": [f.as_openai() for f in files], "has_more": False})
 
     async def retrieve_file(self, request: Request) -> Response:
         tenant = self.gate.authenticate(request)
-        return json_response(self._own_file(tenant, request.path_params["file_id"]).as_openai())
+        return json_response((await self._own_file(tenant, request.path_params["file_id"])).as_openai())
 
     async def delete_file(self, request: Request) -> Response:
         tenant = self.gate.authenticate(request)
         file_id = request.path_params["file_id"]
-        if not self.store.delete_file(tenant.tenant_id, file_id):
+        if not await self.store.delete_file(tenant.tenant_id, file_id):
             raise _no_such("file", file_id)
         return json_response({"id": file_id, "object": "file", "deleted": True})
 
     async def file_content(self, request: Request) -> Response:
         tenant = self.gate.authenticate(request)
         file_id = request.path_params["file_id"]
-        content = self.store.file_content(tenant.tenant_id, file_id)
+        content = await self.store.file_content(tenant.tenant_id, file_id)
         if content is None:
             raise _no_such("file", file_id)
         return Response(content, media_type="application/jsonl")
 
-    def _own_file(self, tenant: Tenant, file_id: str) -> Any:
-        stored = self.store.get_file(tenant.tenant_id, file_id)
+    async def _own_file(self, tenant: Tenant, file_id: str) -> StoredFile:
+        stored = await self.store.get_file(tenant.tenant_id, file_id)
         if stored is None:
             raise _no_such("file", file_id)
         return stored
@@ -132,54 +119,60 @@ class BatchRoutes:
             body = CreateBatchBody.model_validate_json(await read_body(request, 64 * 1024))
         except ValidationError as exc:
             raise from_validation_error(exc) from None
-        input_file = self._own_file(tenant, body.input_file_id)
+        input_file = await self._own_file(tenant, body.input_file_id)
         if input_file.purpose != "batch":
             raise APIError(400, f"File {body.input_file_id} was not uploaded with purpose 'batch'.",
                            param="input_file_id")
         batch = new_batch(body.input_file_id, body.endpoint, body.completion_window, body.metadata)
         batch["expires_at"] = batch["created_at"] + self.window_seconds
-        parsed = parse_input_file(self.store.file_content(tenant.tenant_id, body.input_file_id) or b"",
-                                  body.endpoint, self.model_name)
+        content = await self.store.file_content(tenant.tenant_id, body.input_file_id) or b""
+        # Validating 50,000 lines takes a while: a worker thread does it, the loop goes on serving.
+        parsed = await asyncio.to_thread(parse_input_file, content, body.endpoint, self.model_name)
         if parsed.errors:
             fail_validation(batch, parsed.errors, batch["created_at"])
         batch["request_counts"]["total"] = 0 if parsed.errors else len(parsed.items)
-        self.store.add_batch(tenant.tenant_id, batch, [] if parsed.errors else parsed.items)
+        with storage_errors("the batch"):
+            await self.store.add_batch(tenant.tenant_id, batch, [] if parsed.errors else parsed.items)
         self.runner.wake()
         return json_response(batch)
 
     async def retrieve_batch(self, request: Request) -> Response:
         tenant = self.gate.authenticate(request)
-        return json_response(self._own_batch(tenant, request.path_params["batch_id"]))
+        return json_response(await self._own_batch(tenant, request.path_params["batch_id"]))
 
     async def list_batches(self, request: Request) -> Response:
         tenant = self.gate.authenticate(request)
         limit = _list_limit(request.query_params.get("limit"))
-        batches, has_more = self.store.list_batches(tenant.tenant_id, request.query_params.get("after"), limit)
-        batches = [self._with_live_counts(b) for b in batches]
+        after = request.query_params.get("after")
+        batches, has_more = await self.store.list_batches(tenant.tenant_id, after, limit)
+        batches = [await self._with_live_counts(b) for b in batches]
         return json_response({"object": "list", "data": batches, "has_more": has_more,
                               "first_id": batches[0]["id"] if batches else None,
                               "last_id": batches[-1]["id"] if batches else None})
 
     async def cancel_batch(self, request: Request) -> Response:
         tenant = self.gate.authenticate(request)
-        batch = self._own_batch(tenant, request.path_params["batch_id"])
-        if batch["status"] not in ("validating", "in_progress"):
-            raise APIError(409, f"Cannot cancel a batch that is {batch['status']}.", code="batch_not_cancellable")
-        batch["status"] = "cancelling"
-        batch["cancelling_at"] = int(self.runner.clock())
-        self.store.save_batch(batch)
-        self.runner.wake()
-        return json_response(self._with_live_counts(batch))
-
-    def _own_batch(self, tenant: Tenant, batch_id: str) -> dict[str, Any]:
-        batch = self.store.get_batch(tenant.tenant_id, batch_id)
+        batch_id = request.path_params["batch_id"]
+        # Checked and changed in one transaction: the runner may be ending this batch right now.
+        with storage_errors("the cancellation"):
+            batch, moved = await self.store.move_batch(tenant.tenant_id, batch_id, CANCELLABLE_STATUSES,
+                                                       "cancelling", int(self.runner.clock()))
         if batch is None:
             raise _no_such("batch", batch_id)
-        return self._with_live_counts(batch)
+        if not moved:
+            raise APIError(409, f"Cannot cancel a batch that is {batch['status']}.", code="batch_not_cancellable")
+        self.runner.wake()
+        return json_response(await self._with_live_counts(batch))
 
-    def _with_live_counts(self, batch: dict[str, Any]) -> dict[str, Any]:
-        if batch["status"] in ("in_progress", "cancelling", "finalizing"):
-            batch["request_counts"] = self.runner.counts(batch["id"])
+    async def _own_batch(self, tenant: Tenant, batch_id: str) -> dict[str, Any]:
+        batch = await self.store.get_batch(tenant.tenant_id, batch_id)
+        if batch is None:
+            raise _no_such("batch", batch_id)
+        return await self._with_live_counts(batch)
+
+    async def _with_live_counts(self, batch: dict[str, Any]) -> dict[str, Any]:
+        if batch["status"] in ACTIVE_STATUSES:
+            batch["request_counts"] = await self.runner.counts(batch["id"])
         return batch
 
 

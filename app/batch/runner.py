@@ -4,6 +4,11 @@ owning tenant; writes each result once; finalizes, expires and cancels batches.
 Items enter gradually (at most `max_in_flight` across all batches), so a 50,000-line file neither
 floods the queues nor memory. Everything is read back from the store, so a restarted server picks
 up where the last one stopped.
+
+A result that cannot be stored (a full disk) fails its batch: the engine already ran that item,
+so running it again would charge the tenant twice for a result that may be lost again. The batch
+stops being fed at once; it is marked `failed` (with an `errors` entry, keeping every result already
+stored) as soon as the store can take that one transaction.
 """
 
 from __future__ import annotations
@@ -15,13 +20,15 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import orjson
-
-from app.batch.service import move_to, output_line, unfinished_line
-from app.batch.store import BatchStore, PendingItem
+from app.batch import finish
+from app.batch.database import StorageFull
+from app.batch.service import RUNNER_STATUSES, output_line
+from app.batch.store import ActiveBatch, BatchStore, PendingItem
 
 logger = logging.getLogger(__name__)
 RETRY_DELAY_S = 1.0
+SERVER_ERROR_BODY = {"error": {"message": "The server had an error while running this request.",
+                               "type": "server_error", "param": None, "code": None}}
 
 # (tenant, url, body) -> (HTTP status, response body); runs one item like the HTTP endpoint would.
 ItemExecutor = Callable[[str, str, dict[str, Any]], Awaitable[tuple[int, str, dict[str, Any]]]]
@@ -40,6 +47,7 @@ class BatchRunner:
         self.poll_seconds = poll_seconds
         self.clock = clock
         self._in_flight: dict[tuple[str, int], asyncio.Task[None]] = {}
+        self._failing: dict[str, str] = {}  # batch id -> why a result of it could not be stored
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._retry_after = 0.0  # while the engine turns items away, feeding pauses until then
@@ -62,89 +70,92 @@ class BatchRunner:
 
     async def _run(self) -> None:
         while True:
-            try:
-                self.tick()
-            except Exception:  # a store hiccup must not end batch processing for good
-                logger.exception("batch runner tick failed")
-            self._wake.clear()
+            self._wake.clear()  # before the tick: a wake-up during it means "look again"
+            await self.tick()
             with contextlib.suppress(TimeoutError):  # the poll also notices expired windows
                 await asyncio.wait_for(self._wake.wait(), self.poll_seconds)
 
-    def tick(self) -> None:
-        """One pass over the active batches."""
-        now = int(self.clock())
-        for batch in self.store.batches_with_status(("validating", "in_progress", "cancelling", "finalizing")):
-            if batch["status"] == "validating":
-                move_to(batch, "in_progress", now)
-                self.store.save_batch(batch)
-            if batch["status"] == "in_progress" and now >= batch["expires_at"]:
-                self._end_early(batch, "expired", "batch_expired", "The batch's completion window ran out.")
-            elif batch["status"] == "cancelling":
-                self._end_early(batch, "cancelled", "batch_cancelled", "The batch was cancelled.")
-            elif batch["status"] == "in_progress":
-                self._feed(batch)
-
-    def _feed(self, batch: dict[str, Any]) -> None:
-        batch_id = batch["id"]
-        room = self.max_in_flight - len(self._in_flight) if self.clock() >= self._retry_after else 0
-        running = {line for (b, line) in self._in_flight if b == batch_id}
-        started = self.store.pending_items(batch_id, running, room) if room > 0 else []
-        for item in started:
-            self._in_flight[(batch_id, item.line)] = asyncio.create_task(self._run_item(batch, item))
-        if not running and not started and not self.store.pending_items(batch_id, set(), 1):
-            self._finalize(batch, "completed")
-
-    async def _run_item(self, batch: dict[str, Any], item: PendingItem) -> None:
-        tenant = self.store.batch_tenant(batch["id"]) or ""
+    async def tick(self) -> None:
+        """One pass over the active batches; a failing batch does not hold up the others."""
         try:
-            status, request_id, body = await self.execute(tenant, batch["endpoint"], item.body)
-        except RetryLater:
-            self._retry_after = self.clock() + RETRY_DELAY_S
-        except Exception:  # a bug must fail this item once, not retry it forever
-            logger.exception("batch item %s of %s failed", item.line, batch["id"])
-            status, request_id, body = 500, "", {"error": {"message": "The server had an error while "
-                                                           "running this request.", "type": "server_error",
-                                                           "param": None, "code": None}}
-            self.store.record_result(batch["id"], item.line, False,
-                                     output_line(item.custom_id, request_id, status, body))
-        else:
-            self.store.record_result(batch["id"], item.line, status == 200,
-                                     output_line(item.custom_id, request_id, status, body))
+            batches = await self.store.active_batches(RUNNER_STATUSES)
+        except Exception:  # a store hiccup must not end batch processing for good
+            logger.exception("batch runner could not list the active batches")
+            return
+        for batch in batches:
+            try:
+                await self._advance(batch, int(self.clock()))
+            except Exception:
+                logger.exception("batch runner could not advance %s", batch.id)
+
+    async def _advance(self, batch: ActiveBatch, now: int) -> None:
+        status = batch.status
+        if batch.id in self._failing:
+            await self._end_early(batch, finish.failed(self._failing[batch.id]), now)
+            return
+        if status == "validating":
+            _, moved = await self.store.move_batch(None, batch.id, ("validating",), "in_progress", now)
+            status = "in_progress" if moved else status
+        if status == "in_progress" and now >= batch.expires_at:
+            await self._end_early(batch, finish.EXPIRED, now)
+        elif status == "cancelling":
+            await self._end_early(batch, finish.CANCELLED, now)
+        elif status == "in_progress":
+            await self._feed(batch, now)
+
+    async def _feed(self, batch: ActiveBatch, now: int) -> None:
+        room = self.max_in_flight - len(self._in_flight) if self.clock() >= self._retry_after else 0
+        if room <= 0:
+            return
+        running = {line for (b, line) in self._in_flight if b == batch.id}
+        started = await self.store.pending_items(batch.id, running, room)
+        for item in started:
+            self._in_flight[(batch.id, item.line)] = asyncio.create_task(self._run_item(batch, item))
+        if not running and not started:  # nothing left pending; the store checks again as it finishes
+            await self.store.finish_batch(batch.id, finish.COMPLETED, now)
+
+    async def _run_item(self, batch: ActiveBatch, item: PendingItem) -> None:
+        try:
+            outcome = await self._execute(batch, item)
+            if outcome is not None:
+                await self.store.record_result(batch.id, item.line, *outcome)
+        except Exception as exc:  # the result is lost: fail the batch rather than run the item again
+            logger.error("batch %s: the result of line %d could not be stored (%s); failing the batch",
+                         batch.id, item.line, exc)
+            self._failing.setdefault(batch.id, _lost_result_reason(exc))
         finally:
-            self._in_flight.pop((batch["id"], item.line), None)
+            self._in_flight.pop((batch.id, item.line), None)
             self._wake.set()
 
-    def _end_early(self, batch: dict[str, Any], final_status: str, code: str, message: str) -> None:
-        """Expire or cancel: stop running items (they stay unwritten), keep finished results."""
+    async def _execute(self, batch: ActiveBatch, item: PendingItem) -> tuple[bool, dict[str, Any]] | None:
+        """(succeeded, output line), or None when the item must wait for a later try."""
+        try:
+            status, request_id, body = await self.execute(batch.tenant, batch.endpoint, item.body)
+        except RetryLater:
+            self._retry_after = self.clock() + RETRY_DELAY_S
+            return None
+        except Exception:  # a bug must fail this item once, not retry it forever
+            logger.exception("batch item %s of %s failed", item.line, batch.id)
+            status, request_id, body = 500, "", SERVER_ERROR_BODY
+        return status == 200, output_line(item.custom_id, request_id, status, body)
+
+    async def _end_early(self, batch: ActiveBatch, ending: finish.Ending, now: int) -> None:
+        """Expire, cancel or fail: stop running items (they stay unwritten), keep finished results."""
         for (batch_id, _), task in list(self._in_flight.items()):
-            if batch_id == batch["id"]:
+            if batch_id == batch.id:
                 task.cancel()
-        if any(b == batch["id"] for b, _ in self._in_flight):
-            return  # finalize on a later tick, once the cancelled items have let go
-        for line, custom_id in self.store.pending_custom_ids(batch["id"]):
-            self.store.record_result(batch["id"], line, False, unfinished_line(custom_id, code, message))
-        self._finalize(batch, final_status)
+        if any(b == batch.id for b, _ in self._in_flight):
+            return  # finish on a later tick, once the cancelled items have let go
+        await self.store.finish_batch(batch.id, ending, now)
+        self._failing.pop(batch.id, None)
 
-    def _finalize(self, batch: dict[str, Any], final_status: str) -> None:
-        now = int(self.clock())
-        tenant = self.store.batch_tenant(batch["id"]) or ""
-        move_to(batch, "finalizing", now)
-        succeeded = self.store.results(batch["id"], "succeeded")
-        failed = self.store.results(batch["id"], "failed")
-        if succeeded:
-            batch["output_file_id"] = self.store.add_file(
-                tenant, f"{batch['id']}_output.jsonl", "batch_output", _jsonl(succeeded)).id
-        if failed:
-            batch["error_file_id"] = self.store.add_file(
-                tenant, f"{batch['id']}_error.jsonl", "batch_output", _jsonl(failed)).id
-        batch["request_counts"] = self.counts(batch["id"])
-        move_to(batch, final_status, now)
-        self.store.save_batch(batch)
-
-    def counts(self, batch_id: str) -> dict[str, int]:
-        counts = self.store.item_counts(batch_id)
+    async def counts(self, batch_id: str) -> dict[str, int]:
+        counts = await self.store.item_counts(batch_id)
         return {"total": sum(counts.values()), "completed": counts["succeeded"], "failed": counts["failed"]}
 
 
-def _jsonl(lines: list[str]) -> bytes:
-    return b"".join(orjson.dumps(orjson.loads(line)) + b"\n" for line in lines)
+def _lost_result_reason(exc: Exception) -> str:
+    """What the batch's error says: the cause, but no server path or SQL (those go to the log)."""
+    if isinstance(exc, StorageFull):
+        return "the server's storage is full, so a result could not be stored."
+    return "a result could not be stored."

@@ -15,7 +15,11 @@ import orjson
 
 SUPPORTED_ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
 COMPLETION_WINDOWS = {"24h": 24 * 3600}
-ACTIVE_STATUSES = ("validating", "in_progress", "finalizing", "cancelling")
+ACTIVE_STATUSES = ("validating", "in_progress", "finalizing", "cancelling")  # counts are live, from the items
+# What the runner works on. A batch is finalizing only inside the transaction that ends it, so never
+# in the store: the runner need not look for it.
+RUNNER_STATUSES = ("validating", "in_progress", "cancelling")
+CANCELLABLE_STATUSES = ("validating", "in_progress")
 TIMESTAMP_FIELDS = ("in_progress_at", "finalizing_at", "completed_at", "failed_at", "expired_at",
                     "cancelling_at", "cancelled_at")
 
@@ -33,12 +37,14 @@ class LineError:
 
 @dataclass(slots=True, frozen=True)
 class ParsedInput:
-    items: list[tuple[str, dict[str, Any]]]  # (custom_id, body) in file order
+    # (custom_id, body as JSON text) in file order. Text, not dicts: 60,000 parsed bodies kept alive
+    # would set off a full garbage collection, which pauses every thread, the event loop's too.
+    items: list[tuple[str, str]]
     errors: list[LineError]
 
 
 def _check_line(number: int, raw: bytes, endpoint: str, model: str, seen: set[str]) -> tuple[
-        tuple[str, dict[str, Any]] | None, LineError | None]:
+        tuple[str, str] | None, LineError | None]:
     try:
         entry = orjson.loads(raw)
     except orjson.JSONDecodeError:
@@ -66,12 +72,12 @@ def _check_line(number: int, raw: bytes, endpoint: str, model: str, seen: set[st
         return None, problem
     assert isinstance(custom_id, str) and isinstance(body, dict)
     seen.add(custom_id)
-    return (custom_id, body), None
+    return (custom_id, orjson.dumps(body).decode()), None
 
 
 def parse_input_file(content: bytes, endpoint: str, model: str, max_errors: int = 20) -> ParsedInput:
     """Validate every line; any problem fails the whole batch, as OpenAI does."""
-    items: list[tuple[str, dict[str, Any]]] = []
+    items: list[tuple[str, str]] = []
     errors: list[LineError] = []
     seen: set[str] = set()
     for number, raw in enumerate(content.splitlines(), start=1):
@@ -108,18 +114,7 @@ def fail_validation(batch: dict[str, Any], errors: list[LineError], now: int) ->
                  errors={"object": "list", "data": [e.as_openai() for e in errors]})
 
 
-def move_to(batch: dict[str, Any], status: str, now: int) -> None:
-    batch["status"] = status
-    batch[f"{status}_at"] = now
-
-
 def output_line(custom_id: str, request_id: str, status_code: int, body: dict[str, Any]) -> dict[str, Any]:
     """One line of the output or error file, in OpenAI's format."""
     return {"id": "batch_req_" + uuid.uuid4().hex, "custom_id": custom_id,
             "response": {"status_code": status_code, "request_id": request_id, "body": body}, "error": None}
-
-
-def unfinished_line(custom_id: str, code: str, message: str) -> dict[str, Any]:
-    """An error-file line for an item that never ran (the batch expired or was cancelled first)."""
-    return {"id": "batch_req_" + uuid.uuid4().hex, "custom_id": custom_id, "response": None,
-            "error": {"code": code, "message": message}}

@@ -15,7 +15,7 @@ from loadtest.client import is_loopback_url
 from loadtest.plots import write_plots
 from loadtest.report import build_report, write_report
 from loadtest.scenarios import MAX_DURATION_S, MAX_REQUESTS, SCENARIOS, RunConfig, run_scenario
-from loadtest.workload import ANONYMOUS, LoadTenantsError, load_tenants
+from loadtest.workload import ANONYMOUS, LoadTenantsError, load_admin_key, load_tenants
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 
@@ -50,9 +50,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         tenants = load_tenants(args.tenants) if args.tenants else (ANONYMOUS,)
+        admin_key = load_admin_key(args.tenants) if args.tenants else None
         config = RunConfig(args.scenario, args.url.rstrip("/"), args.duration, args.rate, args.max_requests,
                            args.seed, tenants, args.backlog, args.batch_items, args.request_timeout,
-                           args.drain_timeout, args.settle_timeout)
+                           args.drain_timeout, args.settle_timeout, admin_key)
         config.check()
         result = asyncio.run(run_scenario(config))
     except (LoadTenantsError, ValueError) as exc:

@@ -151,8 +151,10 @@ async def served_model(http: httpx.AsyncClient, tenant: LoadTenant) -> str:
     return model
 
 
-async def read_stats(http: httpx.AsyncClient) -> dict[str, Any]:
-    response = await http.get(STATS_PATH)
+async def read_stats(http: httpx.AsyncClient, admin_key: str | None = None) -> dict[str, Any]:
+    """The server's /stats; with tenants configured it takes the operator key (`[admin]`)."""
+    headers = {"authorization": f"Bearer {admin_key}"} if admin_key else None
+    response = await http.get(STATS_PATH, headers=headers)
     response.raise_for_status()
     stats: dict[str, Any] = response.json()
     return stats
@@ -185,13 +187,14 @@ def idle_problems(stats: dict[str, Any]) -> list[str]:
     return problems
 
 
-async def settle(http: httpx.AsyncClient, timeout_s: float, interval_s: float = 0.2) -> SettleResult:
+async def settle(http: httpx.AsyncClient, timeout_s: float, interval_s: float = 0.2,
+                 admin_key: str | None = None) -> SettleResult:
     """Poll /stats until the server is idle with every KV block free, or timeout_s has passed.
     Assumes the load tool is the server's only client while it runs."""
     start = time.perf_counter()
     while True:
         try:
-            stats = await read_stats(http)
+            stats = await read_stats(http, admin_key)
             problems = idle_problems(stats)
         except (httpx.HTTPError, ValueError) as exc:
             stats, problems = {}, [f"/stats could not be read: {exc!r}"]

@@ -58,6 +58,7 @@ class RunConfig:
     request_timeout_s: float = 120.0  # per request, between bytes
     drain_timeout_s: float = 60.0  # after duration_s, for the requests still running
     settle_timeout_s: float = 30.0  # for the server to come back to idle before the leak check fails
+    admin_key: str | None = None  # the tenants file's [admin] api_key: reads /stats on a server with tenants
 
     def check(self) -> None:
         """Raise ValueError for a run that the caps or the scenario do not allow."""
@@ -240,10 +241,10 @@ async def run_scenario(config: RunConfig) -> RunResult:
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
     async with httpx.AsyncClient(base_url=config.url, timeout=timeout, limits=limits) as http:
         model = await served_model(http, config.tenants[0])
-        stats_before = await read_stats(http)
+        stats_before = await read_stats(http, config.admin_key)
         run = LoadRun(config, http, model)
         await asyncio.gather(*SCENARIOS[config.scenario](run))
         await run.drain()
         wall_s = max((record.ended_at for record in run.records), default=run.now())
-        settled = await settle(http, config.settle_timeout_s)
+        settled = await settle(http, config.settle_timeout_s, admin_key=config.admin_key)
     return RunResult(config, model, run.records, wall_s, stats_before, settled.stats, settled, run.batches)

@@ -7,7 +7,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from loadtest.workload import LoadTenantsError, load_tenants, server_tenants_toml
+from loadtest.workload import LoadTenantsError, load_admin_key, load_tenants, server_tenants_toml
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -17,10 +17,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         tenants = load_tenants(args.client_file)
+        admin_key = load_admin_key(args.client_file)
     except LoadTenantsError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    Path(args.server_file).write_text(server_tenants_toml(tenants), encoding="utf-8")
+    Path(args.server_file).write_text(server_tenants_toml(tenants, admin_key), encoding="utf-8")
     return 0
 
 

@@ -63,6 +63,20 @@ def load_tenants(path: str | Path) -> tuple[LoadTenant, ...]:
     return tenants
 
 
+def load_admin_key(path: str | Path) -> str | None:
+    """The operator key of the tenants file's `[admin] api_key`, used to read the server's /stats."""
+    try:
+        admin = tomllib.loads(Path(path).read_text(encoding="utf-8")).get("admin")
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise LoadTenantsError(f"cannot read tenants file {path}: {exc}") from exc
+    if admin is None:
+        return None
+    if not isinstance(admin, dict) or set(admin) != {"api_key"} or not isinstance(admin["api_key"], str):
+        raise LoadTenantsError(f"{path}: [admin] must hold only 'api_key', a string")
+    key: str = admin["api_key"]
+    return key
+
+
 def _parse_tenant(index: int, entry: Any) -> LoadTenant:
     where = f"tenants[{index}]"
     if not isinstance(entry, dict):
@@ -178,9 +192,11 @@ def disconnect_request(tenant: LoadTenant, rng: random.Random, drop_share: float
     return ChatRequest(tenant, INTERACTIVE, request.messages, max(request.max_tokens, 64), drop_after)
 
 
-def server_tenants_toml(tenants: tuple[LoadTenant, ...]) -> str:
+def server_tenants_toml(tenants: tuple[LoadTenant, ...], admin_key: str | None = None) -> str:
     """The server's tenants file for these tenants: same ids and weights, keys only as hashes."""
     # json.dumps writes a string TOML reads back unchanged (basic strings share JSON's escapes).
     blocks = [f'[[tenants]]\nid = {json.dumps(t.tenant_id)}\nweight = {t.weight}\n'
               f'api_key_hashes = ["{hash_api_key(t.api_key or "")}"]\n' for t in tenants]
+    if admin_key is not None:
+        blocks.insert(0, f'[admin]\napi_key_hashes = ["{hash_api_key(admin_key)}"]\n')
     return "\n".join(blocks)

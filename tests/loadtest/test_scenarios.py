@@ -22,7 +22,11 @@ from tenancy.tenants import load_tenants as load_server_tenants
 from tests.app.conftest import ServerThread, tiny_context
 
 MiB = 1024 * 1024
-CLIENT_TENANTS = """
+ADMIN_KEY = "fl-operator-load"
+CLIENT_TENANTS = f"""
+[admin]
+api_key = "{ADMIN_KEY}"
+
 [[tenants]]
 id = "alice"
 api_key = "fl-alice-load"
@@ -126,8 +130,8 @@ async def test_leak_check_fails_while_a_request_is_still_running(server: ServerT
             assert response.status_code == 200
             chunks = response.aiter_bytes()  # held: a dropped iterator would be closed, and the request with it
             assert await anext(chunks)  # the request is running now
-            busy = await settle(http, timeout_s=0.3)
-        idle = await settle(http, timeout_s=10)
+            busy = await settle(http, timeout_s=0.3, admin_key=ADMIN_KEY)
+        idle = await settle(http, timeout_s=10, admin_key=ADMIN_KEY)
 
     assert not busy.passed and len(busy.problems) == 1 and "1 request(s) still running (stuck)" in busy.problems[0]
     assert busy.stats["kv_blocks_in_use"] > 0

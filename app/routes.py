@@ -41,7 +41,7 @@ from app.responses import (
     sse_error_event,
     text_completion,
 )
-from app.sampling import best_choices, sampling_params
+from app.sampling import best_choices, sampling_params, structured_from_response_format, structured_output_of
 from app.schemas import ChatCompletionBody, CompletionBody, FieldRefused, GenerationBody
 from app.tools import ToolStream, template_messages, template_tools, tool_finish_reason, uses_tools, with_tool_calls
 from scheduling.engine import EngineOverloaded, EngineStopped, RequestStream, TenantOverShare
@@ -201,6 +201,7 @@ class OpenAIRoutes:
 
     async def _generate(self, request: Request, tenant: Tenant, body: GenerationBody, prompts: list[list[int]],
                         flavor: Flavor) -> Response:
+        await self._check_grammar(body)
         completion_id = flavor.id_prefix + uuid.uuid4().hex
         started = self._start(completion_id, body, prompts, tenant, flavor, self._priority_of(body))
         envelope = Envelope(completion_id, int(time.time()), self.context.model_name, body.service_tier)
@@ -227,6 +228,20 @@ class OpenAIRoutes:
             choices = [with_tool_calls(body, choice) for choice in choices]
         return flavor.whole(envelope, choices, started.choices.usage(), self._logprobs_format(body))
 
+    async def _check_grammar(self, body: GenerationBody) -> None:
+        """A 400 for a schema (of response_format or of a forced tool call) the grammar engine cannot
+        compile, before anything is submitted. Off the event loop: the first one reads the tokenizer."""
+        structured = structured_output_of(body)
+        check = getattr(self.context.engine.executor, "check_structured", None)
+        if structured is None or check is None:
+            return
+        try:
+            await run_in_threadpool(check, structured)
+        except ValueError as exc:
+            param = "response_format" if structured_from_response_format(body) else "tools"
+            raise APIError(400, f"The schema cannot be used to constrain the output: {exc}", param=param,
+                           code="invalid_schema") from None
+
     def _logprobs_format(self, body: GenerationBody) -> LogprobsFormat | None:
         return LogprobsFormat(self.context.tokenizer) if body.num_logprobs is not None else None
 
@@ -241,6 +256,7 @@ class OpenAIRoutes:
         tenant = self.context.engine.scheduler.tenants.get(tenant_id)
         try:
             body: GenerationBody = self._validated(body_type, {**raw_body, "stream": False})
+            await self._check_grammar(body)
             started = self._start(completion_id, body, await self._prompts_of(body), tenant, flavor,
                                   PriorityClass.BATCH)
             envelope = Envelope(completion_id, int(time.time()), self.context.model_name, body.service_tier)

@@ -40,6 +40,11 @@ def sampling_params(body: GenerationBody, tokenizer: Tokenizer) -> SamplingParam
     )
 
 
+def structured_from_response_format(body: GenerationBody) -> bool:
+    return isinstance(body, ChatCompletionBody) and body.response_format is not None \
+        and body.response_format.type != "text"
+
+
 def structured_output_of(body: GenerationBody) -> StructuredOutput | None:
     """The grammar of a forced tool call or of response_format; None for free text."""
     if not isinstance(body, ChatCompletionBody):

@@ -298,9 +298,6 @@ class ChatCompletionBody(GenerationBody):
             "continue_final_message": ((False,), "the assistant's turn is always a new message"),
             "echo": ((False,), "chat completions do not echo the prompt; completions do"),
         })
-        if self.response_format is not None and self.response_format.type != "text":
-            raise Unsupported("'response_format' is not supported by this server yet: only type 'text'",
-                              "response_format")
         self._check_tools()
 
     def _check_tools(self) -> None:

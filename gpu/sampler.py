@@ -9,6 +9,10 @@ once and advanced one draw per token, so its tokens do not depend on what else s
 
 Each processor runs only when some row of the batch uses it, and then once for the whole batch:
 rows that do not use it get the neutral value (bias 0, penalty 1 or 0), which changes nothing.
+
+Structured outputs come last, after the processors and before greedy or temperature: one bitmask
+for the constrained rows of the batch (see gpu/structured.py) puts every token outside a row's
+grammar at -inf. The log probabilities stay the model's raw ones.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from collections.abc import Sequence
 import torch
 
 from gpu.plan import SamplingParams, ScheduledSequence, TokenLogprobs
+from gpu.structured import TokenMasks
 
 History = Sequence[int]
 
@@ -40,12 +45,16 @@ class Sampler:
         processed = process_logits(logits, params, empty, empty)
         return [int(t) for t in self._choose(processed, params, request_ids).tolist()]
 
-    def sample_step(self, logits: torch.Tensor, sequences: Sequence[ScheduledSequence]
-                    ) -> tuple[list[int], dict[str, TokenLogprobs]]:
-        """logits: [rows, vocab] float32, one row per sequence (each needs a sample), in order.
-        Returns the chosen tokens and the log probabilities of the requests that asked for them."""
+    def sample_step(self, logits: torch.Tensor, sequences: Sequence[ScheduledSequence],
+                    masks: TokenMasks | None = None) -> tuple[list[int], dict[str, TokenLogprobs]]:
+        """logits: [rows, vocab] float32, one row per sequence (each needs a sample), in order;
+        masks: the grammars of the constrained rows, None when there are none. Returns the chosen
+        tokens and the log probabilities of the requests that asked for them."""
         params = [seq.sampling for seq in sequences]
-        chosen = self._choose(processed_logits(logits, sequences), params, [seq.request_id for seq in sequences])
+        processed = processed_logits(logits, sequences)
+        if masks is not None:
+            processed = masks.constrain(processed, logits)
+        chosen = self._choose(processed, params, [seq.request_id for seq in sequences])
         tokens = [int(t) for t in chosen.tolist()]
         return tokens, token_logprobs(logits, sequences, tokens)
 

@@ -258,7 +258,7 @@ class Engine:
     async def _step(self) -> None:
         await self._wake.wait()
         self._apply_commands()
-        if not self.scheduler.has_work():
+        if not self.scheduler.has_work() and not self.scheduler.has_untold_finishes:
             self._wake.clear()
             return
         started = time.perf_counter()

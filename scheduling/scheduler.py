@@ -108,6 +108,12 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.running or self.swapped or any(len(q) for q in self.waiting.values()))
 
+    @property
+    def has_untold_finishes(self) -> bool:
+        """Finished requests the runner has not been told of by a plan yet: it keeps per-request
+        state (seeded generators, grammar matchers) until it is."""
+        return bool(self._finished_ids)
+
     # ---- schedule -------------------------------------------------------------------------
 
     def schedule(self) -> StepPlan:

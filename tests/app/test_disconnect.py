@@ -79,3 +79,18 @@ def test_a_queued_request_whose_client_left_never_runs(start_tiny_server: Callab
 
     wait_for(lambda: server.stats()["requests_aborted"] == 2 and server.stats()["kv_blocks_in_use"] == 0,
              what="both requests to be aborted")
+
+
+def test_leaving_an_n_choice_stream_aborts_every_choice(start_tiny_server: Callable[..., ServerThread]) -> None:
+    server = start_tiny_server()
+    sock = open_request(server, {**LONG_REQUEST, "stream": True, "n": 3, "max_tokens": 300})
+    with sock:
+        read_until(sock, b'"index":2')  # the third choice, submitted once the first had a token, is running
+        assert server.stats()["running"] == 3
+
+    def all_aborted() -> bool:
+        stats = server.stats()
+        return (stats["requests_aborted"], stats["kv_blocks_in_use"], stats["running"]) == (3, 0, 0)
+
+    wait_for(all_aborted, timeout=10, what="the three choices to be aborted and their blocks freed")
+    assert server.stats()["requests_finished"] == 0

@@ -7,9 +7,14 @@ import json
 from collections.abc import Iterator
 from typing import Any
 
+import jsonschema
 import openai
 import pytest
-from openai.types.chat import ChatCompletionMessageParam, ChatCompletionToolParam
+from openai.types.chat import (
+    ChatCompletionMessageFunctionToolCall,
+    ChatCompletionMessageParam,
+    ChatCompletionToolParam,
+)
 
 from app.schemas import ChatCompletionBody
 from app.tools import TOOL_CALL_OPEN, ToolStream, parse_output, template_messages
@@ -167,3 +172,65 @@ def test_tool_choice_none_leaves_the_text_alone(client: openai.OpenAI, calling_s
     assert result.choices[0].message.content == CALL_TEXT
     assert TOOL_CALL_OPEN not in bytes(t for t in calling_server.engine.submitted[-1].prompt_token_ids
                                        if t < 256).decode().split("<|user|>")[0]
+
+
+# ---- forced calls and structured outputs through a real model ---------------------------------------
+
+CITY: dict[str, Any] = {"type": "object", "properties": {
+    "city": {"type": "string", "enum": ["Paris", "Rome", "Oslo"]},
+    "days": {"type": "integer", "minimum": 1, "maximum": 9}}, "required": ["city", "days"],
+    "additionalProperties": False}
+FORECAST: ChatCompletionToolParam = {"type": "function", "function": {"name": "forecast", "parameters": CITY}}
+
+
+@pytest.fixture
+def tiny_client(tiny_server: ServerThread) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=f"{tiny_server.base_url}/v1", api_key="unused", max_retries=0) as client:
+        yield client
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_response_format_json_schema_always_validates(tiny_client: openai.OpenAI, tiny_server: ServerThread,
+                                                      stream: bool) -> None:
+    texts = []
+    for seed in range(3):
+        fields: Any = {"model": tiny_server.model_name, "messages": QUESTION, "max_tokens": 80, "temperature": 1.0,
+                       "seed": seed, "response_format": {"type": "json_schema", "json_schema": {
+                           "name": "trip", "schema": CITY, "strict": True}}}
+        if stream:
+            chunks = list(tiny_client.chat.completions.create(stream=True, **fields))
+            texts.append("".join(c.choices[0].delta.content or "" for c in chunks if c.choices))
+        else:
+            texts.append(tiny_client.chat.completions.create(**fields).choices[0].message.content or "")
+    for text in texts:
+        jsonschema.validate(json.loads(text), CITY)
+
+
+def test_a_schema_the_grammar_cannot_take_is_400(tiny_client: openai.OpenAI, tiny_server: ServerThread) -> None:
+    with pytest.raises(openai.BadRequestError) as refused:
+        tiny_client.chat.completions.create(
+            model=tiny_server.model_name, messages=QUESTION, max_tokens=5,
+            response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}})
+    assert refused.value.code == "invalid_schema" and refused.value.param == "response_format"
+
+
+def test_required_and_named_calls_always_validate(tiny_client: openai.OpenAI, tiny_server: ServerThread) -> None:
+    required = tiny_client.chat.completions.create(model=tiny_server.model_name, messages=QUESTION, max_tokens=120,
+                                                   tools=[FORECAST, TIME], tool_choice="required", seed=3,
+                                                   temperature=1.0, parallel_tool_calls=False)
+    named = tiny_client.chat.completions.create(model=tiny_server.model_name, messages=QUESTION, max_tokens=80,
+                                                tools=[FORECAST, TIME], seed=4, temperature=1.0,
+                                                tool_choice={"type": "function", "function": {"name": "forecast"}})
+
+    for result in (required, named):
+        assert result.choices[0].finish_reason == "tool_calls"
+        calls = result.choices[0].message.tool_calls
+        assert calls is not None and len(calls) == 1
+        call = calls[0]
+        assert isinstance(call, ChatCompletionMessageFunctionToolCall)
+        if call.function.name == "forecast":
+            jsonschema.validate(json.loads(call.function.arguments), CITY)
+        else:
+            assert call.function.name == "time" and isinstance(json.loads(call.function.arguments), dict)
+        if result is named:
+            assert call.function.name == "forecast"

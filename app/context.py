@@ -22,7 +22,7 @@ class ServingContext:
     gate: AdmissionGate = field(init=False)  # authentication, class rights and quotas, per the engine's tenants
 
     def __post_init__(self) -> None:
-        self.gate = AdmissionGate(self.engine.scheduler.tenants, self.engine)
+        self.gate = AdmissionGate(self.engine.tenants, self.engine)
 
     @property
     def model_name(self) -> str:

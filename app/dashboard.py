@@ -21,13 +21,11 @@ from starlette.routing import Route
 from app.asgi import EventStreamResponse
 from app.metrics import (
     ServingMetrics,
-    cpu_swap_usage,
-    kv_cache_usage,
     queued_by_tenant,
     requests_by_class,
     vtc_counters,
 )
-from scheduling.scheduler import Scheduler
+from scheduling.snapshot import SchedulerSnapshot
 
 PREEMPTION_MODES = ("swap", "recompute")
 # Tells EventSource how long to wait before reconnecting after the server went away.
@@ -49,9 +47,9 @@ class Totals:
 
 
 class DashboardFeed:
-    def __init__(self, scheduler: Scheduler, metrics: ServingMetrics, *, interval_s: float = 1.0,
-                 is_draining: Callable[[], bool] = lambda: False) -> None:
-        self._scheduler = scheduler
+    def __init__(self, scheduler_snapshot: Callable[[], SchedulerSnapshot], metrics: ServingMetrics, *,
+                 interval_s: float = 1.0, is_draining: Callable[[], bool] = lambda: False) -> None:
+        self._scheduler_snapshot = scheduler_snapshot
         self._metrics = metrics
         self.interval_s = interval_s
         self._is_draining = is_draining  # streams end when the server drains, so shutdown need not wait
@@ -60,9 +58,9 @@ class DashboardFeed:
 
     def totals(self, now: float) -> Totals:
         counts = self._metrics.counts
-        preemptions = self._scheduler.counters.preemptions
+        preemptions = self._scheduler_snapshot().preemptions
         return Totals(now, dict(counts.generation_tokens), dict(counts.prompt_tokens),
-                      {mode: preemptions[mode] for mode in PREEMPTION_MODES})
+                      {mode: preemptions.get(mode, 0) for mode in PREEMPTION_MODES})
 
     def snapshot(self, previous: Totals | None, now: float) -> tuple[dict[str, Any], Totals]:
         """The state now, with rates since `previous` (zero for the first snapshot)."""
@@ -74,8 +72,9 @@ class DashboardFeed:
             return round((new.get(key, 0) - old.get(key, 0)) / elapsed, 3)
 
         labels = self._metrics.labels
-        queued = queued_by_tenant(self._scheduler, labels)
-        vtc = vtc_counters(self._scheduler, labels)
+        scheduler = self._scheduler_snapshot()
+        queued = queued_by_tenant(scheduler, labels)
+        vtc = vtc_counters(scheduler, labels)
         tenants = [{
             "tenant": tenant,
             "generation_tokens_per_s": rate(current.generation_tokens, base.generation_tokens, tenant),
@@ -87,9 +86,9 @@ class DashboardFeed:
             "time": time.time(),
             "interval_s": round(now - base.time, 3),
             "tenants": tenants,
-            "classes": requests_by_class(self._scheduler),
-            "kv_cache_usage": round(kv_cache_usage(self._scheduler), 4),
-            "cpu_swap_usage": round(cpu_swap_usage(self._scheduler), 4),
+            "classes": requests_by_class(scheduler),
+            "kv_cache_usage": round(scheduler.kv_blocks.fraction, 4),
+            "cpu_swap_usage": round(scheduler.cpu_blocks.fraction, 4),
             "preemptions": {mode: {"total": current.preemptions[mode],
                                    "new": current.preemptions[mode] - base.preemptions[mode]}
                             for mode in PREEMPTION_MODES},

@@ -47,6 +47,7 @@ class TextPiece:
     finish_reason: str | None  # "stop" or "length" on the last piece, else None
     # Of the tokens behind this piece (and behind any text held back before it), when asked for.
     logprobs: tuple[TokenLogprobs, ...] = ()
+    prompt_logprobs: tuple[TokenLogprobs, ...] = ()  # on the first piece, for prompt positions 1..
 
 
 class TokenStream(Protocol):
@@ -72,6 +73,7 @@ class TextGeneration:
         self._detokenizer = IncrementalDetokenizer(tokenizer, stream.request.prompt_token_ids)
         self._stops = StopStringMatcher(stop_strings)
         self._held_logprobs: tuple[TokenLogprobs, ...] = ()
+        self._held_prompt_logprobs: tuple[TokenLogprobs, ...] = ()
         self.usage = Usage(prompt_tokens=stream.request.num_prompt_tokens)
         self.started = asyncio.Event()
 
@@ -107,6 +109,7 @@ class TextGeneration:
         if event.finish_reason in ("error", "abort"):
             raise GenerationFailed(event.error or "the request was aborted by the server")
         self._held_logprobs += event.logprobs
+        self._held_prompt_logprobs += event.prompt_logprobs
         matched = self._stops.feed(self._detokenizer.add(self._text_tokens(event)))
         if matched.is_stopped:
             self._stream.close(RequestStatus.FINISHED_STOPPED)
@@ -125,7 +128,8 @@ class TextGeneration:
 
     def _piece(self, text: str, finish_reason: str | None) -> TextPiece:
         logprobs, self._held_logprobs = self._held_logprobs, ()
-        return TextPiece(text, finish_reason, logprobs)
+        prompt_logprobs, self._held_prompt_logprobs = self._held_prompt_logprobs, ()
+        return TextPiece(text, finish_reason, logprobs, prompt_logprobs)
 
     def _last_piece(self, text: str, finish_reason: str) -> TextPiece:
         """The output ended: release what was held back, unless it completes a stop string."""
@@ -141,17 +145,20 @@ def merged(first: TokenEvent, later: Sequence[TokenEvent]) -> TokenEvent:
         return first
     tokens = first.new_token_ids + tuple(token for event in later for token in event.new_token_ids)
     logprobs = first.logprobs + tuple(entry for event in later for entry in event.logprobs)
-    return replace(later[-1], new_token_ids=tokens, logprobs=logprobs)
+    prompt_logprobs = first.prompt_logprobs + tuple(entry for event in later for entry in event.prompt_logprobs)
+    return replace(later[-1], new_token_ids=tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
 
 
 async def collect(generation: TextGeneration) -> TextPiece:
     """The whole output as one piece (for non-streaming responses)."""
     parts: list[str] = []
     logprobs: list[TokenLogprobs] = []
+    prompt_logprobs: list[TokenLogprobs] = []
     finish_reason: str | None = None
     async with aclosing(generation.pieces()) as pieces:
         async for piece in pieces:
             parts.append(piece.text)
             logprobs.extend(piece.logprobs)
+            prompt_logprobs.extend(piece.prompt_logprobs)
             finish_reason = piece.finish_reason
-    return TextPiece("".join(parts), finish_reason, tuple(logprobs))
+    return TextPiece("".join(parts), finish_reason, tuple(logprobs), tuple(prompt_logprobs))

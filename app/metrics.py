@@ -14,7 +14,7 @@ Label values are bounded: a tenant label is a tenant of the registry or "unknown
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
@@ -24,7 +24,8 @@ from prometheus_client.registry import Collector
 
 from app.request_log import log_finished
 from scheduling.request import Request, TokenEvent
-from scheduling.scheduler import CLASSES, Scheduler
+from scheduling.scheduler import CLASSES
+from scheduling.snapshot import SchedulerSnapshot
 from tenancy.tenants import TenantRegistry
 
 PREFIX = "fairlane:"
@@ -135,53 +136,34 @@ class RequestObserver:
 # ---- engine state, read at scrape time (and by the dashboard) ----------------------------------
 
 
-def requests_by_class(scheduler: Scheduler) -> dict[str, dict[str, int]]:
+def requests_by_class(snapshot: SchedulerSnapshot) -> dict[str, dict[str, int]]:
     """Running, waiting and swapped requests of each class."""
-    counts = {name: {"running": 0, "waiting": 0, "swapped": 0} for name in CLASS_NAMES}
-    for request in scheduler.running:
-        counts[request.priority.value]["running"] += 1
-    for request in scheduler.swapped:
-        counts[request.priority.value]["swapped"] += 1
-    for priority, queue in scheduler.waiting.items():
-        counts[priority.value]["waiting"] = len(queue)
-    return counts
+    return {name: {"running": load.running, "waiting": load.waiting, "swapped": load.swapped}
+            for name, load in snapshot.by_class.items()}
 
 
-def kv_cache_usage(scheduler: Scheduler) -> float:
-    """Share of device KV blocks held by requests (free blocks that still cache a prefix are free)."""
-    device = scheduler.blocks.device
-    return device.num_used / device.num_blocks if device.num_blocks else 0.0
-
-
-def cpu_swap_usage(scheduler: Scheduler) -> float:
-    cpu = scheduler.blocks.cpu
-    return cpu.num_used / cpu.num_blocks if cpu.num_blocks else 0.0
-
-
-def vtc_counters(scheduler: Scheduler, labels: TenantLabels) -> dict[str, dict[str, float]]:
+def vtc_counters(snapshot: SchedulerSnapshot, labels: TenantLabels) -> dict[str, dict[str, float]]:
     """Each known tenant's virtual token counter per class (0 before its first charge)."""
-    result: dict[str, dict[str, float]] = {}
-    for priority in CLASSES:
-        counters = scheduler.vtc[priority].snapshot()
-        result[priority.value] = {tenant: counters.get(tenant, 0.0) for tenant in labels.known}
-    return result
+    return {name: {tenant: counters.get(tenant, 0.0) for tenant in labels.known}
+            for name, counters in snapshot.vtc.items()}
 
 
-def queued_by_tenant(scheduler: Scheduler, labels: TenantLabels) -> dict[str, dict[str, int]]:
+def queued_by_tenant(snapshot: SchedulerSnapshot, labels: TenantLabels) -> dict[str, dict[str, int]]:
     """Waiting requests per class and tenant label."""
     queued = {name: dict.fromkeys(labels.known, 0) for name in CLASS_NAMES}
-    for priority, queue in scheduler.waiting.items():
-        for request in queue:
-            tenant = labels(request.tenant_id)
-            queued[priority.value][tenant] = queued[priority.value].get(tenant, 0) + 1
+    for name, by_tenant in snapshot.queued_by_tenant.items():
+        for tenant_id, count in by_tenant.items():
+            tenant = labels(tenant_id)
+            queued[name][tenant] = queued[name].get(tenant, 0) + count
     return queued
 
 
 class EngineCollector(Collector):
-    """Gauges and counters computed from the scheduler and the plain counters when scraped."""
+    """Gauges and counters computed from the scheduler's snapshot and the plain counters when scraped."""
 
-    def __init__(self, scheduler: Scheduler, labels: TenantLabels, counts: RequestCounts) -> None:
-        self._scheduler = scheduler
+    def __init__(self, snapshot: Callable[[], SchedulerSnapshot], labels: TenantLabels, counts: RequestCounts
+                 ) -> None:
+        self._snapshot = snapshot
         self._labels = labels
         self._counts = counts
 
@@ -192,7 +174,7 @@ class EngineCollector(Collector):
         yield from self._request_counters()
 
     def _requests(self) -> Iterator[Metric]:
-        by_class = requests_by_class(self._scheduler)
+        by_class = requests_by_class(self._snapshot())
         for state, what in (("running", "running"), ("waiting", "waiting to be scheduled"),
                             ("swapped", "preempted, their KV in the CPU swap pool")):
             gauge = GaugeMetricFamily(PREFIX + f"num_requests_{state}", f"Requests {what}.", labels=["class"])
@@ -201,35 +183,33 @@ class EngineCollector(Collector):
             yield gauge
         vtc = GaugeMetricFamily(PREFIX + "tenant_vtc_counter", "Virtual token counter of each tenant and class.",
                                 labels=["tenant", "class"])
-        for class_name, counters in vtc_counters(self._scheduler, self._labels).items():
+        for class_name, counters in vtc_counters(self._snapshot(), self._labels).items():
             for tenant, value in counters.items():
                 vtc.add_metric([tenant, class_name], value)
         yield vtc
 
     def _memory(self) -> Iterator[Metric]:
+        snapshot = self._snapshot()
         yield GaugeMetricFamily(PREFIX + "kv_cache_usage_perc", "Share of device KV blocks in use, 0 to 1.",
-                                value=kv_cache_usage(self._scheduler))
+                                value=snapshot.kv_blocks.fraction)
         yield GaugeMetricFamily(PREFIX + "cpu_swap_usage_perc", "Share of CPU swap-pool blocks in use, 0 to 1.",
-                                value=cpu_swap_usage(self._scheduler))
+                                value=snapshot.cpu_blocks.fraction)
 
     def _scheduler_counters(self) -> Iterator[Metric]:
-        scheduler = self._scheduler
-        prefix = scheduler.blocks.prefix_counters
+        snapshot = self._snapshot()
         yield CounterMetricFamily(PREFIX + "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-                                  value=prefix.queried_tokens)
+                                  value=snapshot.prefix_queried_tokens)
         yield CounterMetricFamily(PREFIX + "prefix_cache_hits", "Prompt tokens found in the prefix cache.",
-                                  value=prefix.hit_tokens)
-        counters = scheduler.counters
+                                  value=snapshot.prefix_hit_tokens)
         preemptions = CounterMetricFamily(PREFIX + "num_preemptions", "Requests preempted, by mode.",
                                           labels=["mode"])
-        for mode in ("swap", "recompute"):
-            preemptions.add_metric([mode], counters.preemptions[mode])
+        for mode, count in snapshot.preemptions.items():
+            preemptions.add_metric([mode], count)
         yield preemptions
-        bytes_per_block = scheduler.geometry.bytes_per_block
         swap = CounterMetricFamily(PREFIX + "swap_bytes", "KV bytes copied between device and CPU pools.",
                                    labels=["direction"])
-        swap.add_metric(["out"], counters.blocks_swapped_out * bytes_per_block)
-        swap.add_metric(["in"], counters.blocks_swapped_in * bytes_per_block)
+        swap.add_metric(["out"], snapshot.blocks_swapped_out * snapshot.bytes_per_block)
+        swap.add_metric(["in"], snapshot.blocks_swapped_in * snapshot.bytes_per_block)
         yield swap
 
     def _request_counters(self) -> Iterator[Metric]:
@@ -250,12 +230,12 @@ class EngineCollector(Collector):
 class ServingMetrics:
     """The metrics of one app: its registry, the engine observer, and the rejection counter."""
 
-    def __init__(self, scheduler: Scheduler, tenants: TenantRegistry | None = None) -> None:
+    def __init__(self, snapshot: Callable[[], SchedulerSnapshot], tenants: TenantRegistry) -> None:
         self.registry = CollectorRegistry()
-        self.labels = TenantLabels(tenants if tenants is not None else scheduler.tenants)
+        self.labels = TenantLabels(tenants)
         self.counts = RequestCounts()
         self.observer = RequestObserver(LatencyHistograms(self.registry), self.labels, self.counts)
-        self.registry.register(EngineCollector(scheduler, self.labels, self.counts))
+        self.registry.register(EngineCollector(snapshot, self.labels, self.counts))
 
     def record_rejection(self, reason: RejectionReason, tenant_id: str | None = None) -> None:
         """Count a request the HTTP layer turned away; tenant_id None when the caller is not known."""

@@ -54,10 +54,10 @@ class Observability:
                ) -> Observability:
         """Metrics for this engine (tenant labels from `tenants`, by default the scheduler's), its
         observer appended to `engine.observers`."""
-        tenants = tenants if tenants is not None else engine.scheduler.tenants
-        metrics = ServingMetrics(engine.scheduler, tenants)
+        tenants = tenants if tenants is not None else engine.tenants
+        metrics = ServingMetrics(lambda: engine.snapshot, tenants)
         engine.observers.append(metrics.observer)
-        dashboard = DashboardFeed(engine.scheduler, metrics, interval_s=dashboard_interval_s,
+        dashboard = DashboardFeed(lambda: engine.snapshot, metrics, interval_s=dashboard_interval_s,
                                   is_draining=is_draining)
         return cls(metrics, dashboard, tenants)
 
@@ -91,5 +91,5 @@ class Observability:
         return None if self._tenants.requires_auth else DEFAULT_TENANT
 
     async def prometheus(self, request: Request) -> Response:
-        # Rendered on the event loop, between engine steps, so it reads a consistent scheduler.
+        # Reads the engine's snapshot of the last step: never the scheduler half-way through one.
         return Response(self.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)

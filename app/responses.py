@@ -51,6 +51,14 @@ class Envelope:
         return fields
 
 
+@dataclass(slots=True, frozen=True)
+class EchoedPrompt:
+    """The log probabilities of an echoed prompt: its first token has none (nothing comes before it)."""
+
+    first_token_id: int
+    entries: tuple[TokenLogprobs, ...]  # one per later prompt token
+
+
 @dataclass(slots=True)
 class Choice:
     """One choice of a whole response."""
@@ -58,6 +66,7 @@ class Choice:
     index: int
     result: TextPiece
     prefix: str = ""  # the echoed prompt of a completion
+    echoed_prompt: EchoedPrompt | None = None  # its log probabilities, when asked with echo
     tool_calls: list[dict[str, Any]] = field(default_factory=list)  # parsed from the output (chat with tools)
 
     @property
@@ -92,17 +101,26 @@ class LogprobsFormat:
                    for e in entries]
         return {"content": content, "refusal": None}
 
-    def completion(self, entries: tuple[TokenLogprobs, ...], start_offset: int) -> dict[str, Any]:
-        """`start_offset`: where the first token's text starts in the choice's text."""
+    def completion(self, entries: tuple[TokenLogprobs, ...], start_offset: int,
+                   echoed: EchoedPrompt | None = None) -> dict[str, Any]:
+        """`start_offset`: where the first token's text starts in the choice's text (0 when the
+        prompt is echoed: its tokens come first, the first of them with null log probabilities)."""
+        if echoed is not None:
+            entries = echoed.entries + entries
         tokens = [self.token_text(e.token_id) for e in entries]
+        top: list[dict[str, float] | None] = [
+            {**{self.token_text(t): max(lp, LOGPROB_FLOOR) for t, lp in e.top},
+             tokens[i]: max(e.logprob, LOGPROB_FLOOR)} for i, e in enumerate(entries)]
+        token_logprobs: list[float | None] = [max(e.logprob, LOGPROB_FLOOR) for e in entries]
+        if echoed is not None:
+            tokens.insert(0, self.token_text(echoed.first_token_id))
+            top.insert(0, None)
+            token_logprobs.insert(0, None)
         offsets = []
         for token in tokens:
             offsets.append(start_offset)
             start_offset += len(token)
-        top = [{**{self.token_text(t): max(lp, LOGPROB_FLOOR) for t, lp in e.top},
-                tokens[i]: max(e.logprob, LOGPROB_FLOOR)} for i, e in enumerate(entries)]
-        return {"tokens": tokens, "token_logprobs": [max(e.logprob, LOGPROB_FLOOR) for e in entries],
-                "top_logprobs": top, "text_offset": offsets}
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
 
 
 class ChunkEncoder(Protocol):
@@ -110,7 +128,8 @@ class ChunkEncoder(Protocol):
 
     def opening(self, index: int) -> bytes | None: ...
 
-    def content(self, index: int, text: str, logprobs: tuple[TokenLogprobs, ...] = ()) -> bytes: ...
+    def content(self, index: int, text: str, logprobs: tuple[TokenLogprobs, ...] = (),
+                echoed: EchoedPrompt | None = None) -> bytes: ...
 
     def finish(self, index: int, finish_reason: str) -> bytes: ...
 
@@ -150,17 +169,19 @@ class _TemplatedChunks(ABC):
     def _choice(self, index: int, text: str, finish_reason: str | None) -> dict[str, Any]: ...
 
     @abstractmethod
-    def _logprobs(self, index: int, text: str, entries: tuple[TokenLogprobs, ...]) -> dict[str, Any]: ...
+    def _logprobs(self, index: int, text: str, entries: tuple[TokenLogprobs, ...],
+                  echoed: EchoedPrompt | None = None) -> dict[str, Any]: ...
 
     def opening(self, index: int) -> bytes | None:
         return None
 
-    def content(self, index: int, text: str, logprobs: tuple[TokenLogprobs, ...] = ()) -> bytes:
-        if index == 0 and not logprobs and not self._shape.continuous_usage:
+    def content(self, index: int, text: str, logprobs: tuple[TokenLogprobs, ...] = (),
+                echoed: EchoedPrompt | None = None) -> bytes:
+        if index == 0 and not logprobs and echoed is None and not self._shape.continuous_usage:
             return self._content_prefix + orjson.dumps(text) + self._content_suffix
         choice = self._choice(index, text, None)
-        if logprobs and self._shape.logprobs is not None:
-            choice["logprobs"] = self._logprobs(index, text, logprobs)
+        if (logprobs or echoed is not None) and self._shape.logprobs is not None:
+            choice["logprobs"] = self._logprobs(index, text, logprobs, echoed)
         return self._chunk([choice])
 
     def finish(self, index: int, finish_reason: str) -> bytes:
@@ -192,7 +213,8 @@ class ChatChunks(_TemplatedChunks):
         delta = {"content": text} if text else {}
         return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
 
-    def _logprobs(self, index: int, text: str, entries: tuple[TokenLogprobs, ...]) -> dict[str, Any]:
+    def _logprobs(self, index: int, text: str, entries: tuple[TokenLogprobs, ...],
+                  echoed: EchoedPrompt | None = None) -> dict[str, Any]:
         assert self._shape.logprobs is not None
         return self._shape.logprobs.chat(entries)
 
@@ -210,11 +232,12 @@ class CompletionChunks(_TemplatedChunks):
     def _choice(self, index: int, text: str, finish_reason: str | None) -> dict[str, Any]:
         return {"text": text, "index": index, "logprobs": None, "finish_reason": finish_reason}
 
-    def _logprobs(self, index: int, text: str, entries: tuple[TokenLogprobs, ...]) -> dict[str, Any]:
+    def _logprobs(self, index: int, text: str, entries: tuple[TokenLogprobs, ...],
+                  echoed: EchoedPrompt | None = None) -> dict[str, Any]:
         assert self._shape.logprobs is not None
         start = self._text_offsets.get(index, 0)
         self._text_offsets[index] = start + len(text)
-        return self._shape.logprobs.completion(entries, start)
+        return self._shape.logprobs.completion(entries, start, echoed)
 
 
 def chat_completion(envelope: Envelope, choices: list[Choice], usage: Usage,
@@ -228,6 +251,7 @@ def chat_completion(envelope: Envelope, choices: list[Choice], usage: Usage,
 def text_completion(envelope: Envelope, choices: list[Choice], usage: Usage,
                     logprobs: LogprobsFormat | None = None) -> dict[str, Any]:
     body = [{"text": c.prefix + c.result.text, "index": c.index,
-             "logprobs": logprobs.completion(c.result.logprobs, len(c.prefix)) if logprobs else None,
+             "logprobs": logprobs.completion(c.result.logprobs, 0 if c.echoed_prompt else len(c.prefix),
+                                             c.echoed_prompt) if logprobs else None,
              "finish_reason": c.result.finish_reason} for c in choices]
     return {**envelope.fields("text_completion"), "choices": body, "usage": usage.as_dict()}

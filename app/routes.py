@@ -34,6 +34,7 @@ from app.responses import (
     Choice,
     ChunkEncoder,
     CompletionChunks,
+    EchoedPrompt,
     Envelope,
     LogprobsFormat,
     StreamShape,
@@ -44,6 +45,7 @@ from app.responses import (
 from app.sampling import best_choices, sampling_params, structured_from_response_format, structured_output_of
 from app.schemas import ChatCompletionBody, CompletionBody, FieldRefused, GenerationBody
 from app.tools import ToolStream, template_messages, template_tools, tool_finish_reason, uses_tools, with_tool_calls
+from gpu.plan import TokenLogprobs
 from scheduling.engine import EngineOverloaded, EngineStopped, RequestStream, TenantOverShare
 from scheduling.request import PriorityClass, RequestId
 from scheduling.request import Request as EngineRequest
@@ -221,12 +223,21 @@ class OpenAIRoutes:
     async def _whole(self, started: Generations, body: GenerationBody, envelope: Envelope, flavor: Flavor
                      ) -> dict[str, Any]:
         results = await started.choices.collect_all()
-        choices = [Choice(i, result, started.prefixes[i]) for i, result in enumerate(results)]
+        choices = [Choice(i, result, started.prefixes[i], self._echoed(started, i, result.prompt_logprobs))
+                   for i, result in enumerate(results)]
         if body.num_generations > body.num_choices:  # best_of: keep the n likeliest of each prompt
             choices = best_choices(choices, body.num_generations, body.num_choices)
         if isinstance(body, ChatCompletionBody) and uses_tools(body):
             choices = [with_tool_calls(body, choice) for choice in choices]
         return flavor.whole(envelope, choices, started.choices.usage(), self._logprobs_format(body))
+
+    @staticmethod
+    def _echoed(started: Generations, index: int, prompt_logprobs: tuple[TokenLogprobs, ...]) -> EchoedPrompt | None:
+        """The echoed prompt's log probabilities of a choice, when its request asked for them."""
+        request = started.choices.generations[index].request
+        if request.sampling.prompt_logprobs is None:
+            return None
+        return EchoedPrompt(request.prompt_token_ids[0], prompt_logprobs)
 
     async def _check_grammar(self, body: GenerationBody) -> None:
         """A 400 for a schema (of response_format or of a forced tool call) the grammar engine cannot
@@ -253,7 +264,7 @@ class OpenAIRoutes:
         tokens_per_minute or concurrency spent, the server overloaded or draining): it stays pending."""
         flavor, body_type = (CHAT, ChatCompletionBody) if url == CHAT_PATH else (COMPLETION, CompletionBody)
         completion_id = flavor.id_prefix + uuid.uuid4().hex
-        tenant = self.context.engine.scheduler.tenants.get(tenant_id)
+        tenant = self.context.engine.tenants.get(tenant_id)
         try:
             body: GenerationBody = self._validated(body_type, {**raw_body, "stream": False})
             await self._check_grammar(body)
@@ -420,15 +431,22 @@ class OpenAIRoutes:
 
     async def _sse_events(self, started: Generations, chunks: ChunkEncoder, shape: StreamShape
                           ) -> AsyncGenerator[bytes, None]:
+        # An echoed prompt with log probabilities waits for them: they come with the first token.
+        waiting_echoes: dict[int, str] = {}
         for index, prefix in enumerate(started.prefixes):
             opening = chunks.opening(index)
             if opening is not None:
                 yield opening
-            if prefix:
+            if prefix and started.choices.generations[index].request.sampling.prompt_logprobs is not None:
+                waiting_echoes[index] = prefix
+            elif prefix:
                 yield chunks.content(index, prefix)
         try:
             async with aclosing(started.choices.interleaved()) as pieces:
                 async for index, piece in pieces:
+                    if index in waiting_echoes:
+                        yield chunks.content(index, waiting_echoes.pop(index),
+                                             echoed=self._echoed(started, index, piece.prompt_logprobs))
                     if started.tool_streams is not None:
                         for event in tool_stream_events(chunks, started.tool_streams[index], index, piece):
                             yield event

@@ -6,7 +6,7 @@ import json
 
 from app.errors import APIError
 from app.responses import Choice
-from app.schemas import ChatCompletionBody, GenerationBody
+from app.schemas import ChatCompletionBody, CompletionBody, GenerationBody
 from app.tools import forced_structure
 from gpu.plan import SamplingParams, StructuredOutput
 from gpu.tokenizer import Tokenizer
@@ -36,6 +36,7 @@ def sampling_params(body: GenerationBody, tokenizer: Tokenizer) -> SamplingParam
         logit_bias=logit_bias_of(body, tokenizer.vocab_size),
         min_tokens=min_tokens_of(body),
         logprobs=logprobs,
+        prompt_logprobs=body.logprobs if isinstance(body, CompletionBody) and body.echo else None,
         structured=structured_output_of(body),
     )
 

@@ -341,9 +341,6 @@ class CompletionBody(GenerationBody):
         if self.best_of is not None and self.best_of < self.num_choices:
             raise FieldRefused(f"best_of ({self.best_of}) must be at least n ({self.num_choices}).", "best_of")
         refuse_unless_default(self, {"suffix": (("",), "the model cannot fill in the middle")})
-        if self.echo and self.logprobs is not None:
-            raise Unsupported("'echo' with 'logprobs' is not supported by this server: prompt log probabilities "
-                              "are not computed", "echo")
         if self.stream and self.num_generations > self.num_choices:
             raise Unsupported("'best_of' greater than 'n' cannot be streamed", "best_of")
 

@@ -24,9 +24,9 @@ from starlette.types import ASGIApp
 
 from app.asgi import ClientGone, RequestIdMiddleware
 from app.batch.api import BatchAPI
-from app.cli import add_model_flags, settings_from_args
 from app.context import ServingContext
 from app.errors import APIError, api_error_handler, http_exception_handler, unexpected_error_handler
+from app.flags import add_model_flags, settings_from_args
 from app.http_limits import BodyTimeoutMiddleware, header_timeout_protocol, uvicorn_limit_concurrency
 from app.observability import Observability
 from app.routes import CLIENT_CLOSED_STATUS, SHUTTING_DOWN, OpenAIRoutes

@@ -40,6 +40,9 @@ class SamplingParams:
     # Log probabilities to report with each sampled token: None for none, k >= 0 for the sampled
     # token's plus the k most likely ones. They are the model's raw log-softmax, before any penalty.
     logprobs: int | None = None
+    # The same for every prompt token after the first (completions' echo with logprobs): the
+    # prompt is then computed whole, never taken from the prefix cache.
+    prompt_logprobs: int | None = None
     structured: StructuredOutput | None = None  # response_format and forced tool calls
 
     @property
@@ -68,8 +71,9 @@ class ScheduledSequence:
     block_table: list[int]  # device block ids covering positions [0, start_position + len(token_ids))
     needs_sample: bool  # True when this chunk reaches the end of the known tokens
     sampling: SamplingParams
-    # Filled only when needs_sample and sampling.needs_history (penalties, min_tokens): the request's
-    # prompt and its output so far, copies the runner may keep.
+    # Filled only when needs_sample and sampling.needs_history (penalties, min_tokens), or for the
+    # prompt chunks of a request with prompt_logprobs: the request's prompt and its output so far,
+    # copies the runner may keep.
     prompt_token_ids: tuple[int, ...] = ()
     output_token_ids: tuple[int, ...] = ()
 
@@ -107,6 +111,9 @@ class StepResult:
 
     sampled_token_ids: dict[str, int] = field(default_factory=dict)  # request id -> new token
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)  # for requests that asked for them
+    # request id -> (the prompt position of the first entry's token, one entry per prompt token the
+    # step's chunk predicts), for requests with prompt_logprobs
+    prompt_logprobs: dict[str, tuple[int, tuple[TokenLogprobs, ...]]] = field(default_factory=dict)
     forward_seconds: float = 0.0  # time inside the model forward (for forward_fraction)
     swap_seconds: float = 0.0  # time spent copying blocks between device and CPU
 

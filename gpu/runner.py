@@ -14,6 +14,7 @@ from gpu.attention import ATTENTION_NAME
 from gpu.kv_cache import KVShape, PagedKVCache
 from gpu.models import LoadedModel
 from gpu.plan import CacheGeometry, ScheduledSequence, StepPlan, StepResult, StructuredOutput
+from gpu.prompt_logprobs import prompt_logprobs, prompt_rows
 from gpu.sampler import Sampler
 from gpu.step_inputs import build_step_inputs, decodes_first
 from gpu.structured import GrammarCache, GrammarMatchers, check
@@ -102,8 +103,12 @@ class ModelRunner:
         sampling = [seq for seq in ordered if seq.needs_sample]
         masks = self.matchers.masks(sampling)
         forward_started = time.perf_counter()
-        logits = self.compute_logits(ordered)
+        extra = prompt_rows(ordered)
+        logits = self.compute_logits(ordered, extra.rows)
         result.forward_seconds = time.perf_counter() - forward_started
+        if not extra.is_empty:
+            result.prompt_logprobs = prompt_logprobs(logits[len(sampling):], extra, ordered)
+            logits = logits[:len(sampling)]
         if sampling:
             tokens, result.logprobs = self.sampler.sample_step(logits, sampling, masks)
             self.matchers.advance(sampling, tokens)
@@ -111,11 +116,16 @@ class ModelRunner:
         return result
 
     @torch.inference_mode()
-    def compute_logits(self, sequences: Sequence[ScheduledSequence]) -> torch.Tensor:
+    def compute_logits(self, sequences: Sequence[ScheduledSequence], extra_rows: Sequence[int] = ()
+                       ) -> torch.Tensor:
         """One packed forward. Returns float32 logits, one row per sequence that needs a sample,
-        in the order given. Sequences of one token must come first (see `decodes_first`)."""
+        in the order given, then one per extra packed-token row. Sequences of one token must come
+        first (see `decodes_first`)."""
         step = build_step_inputs(sequences, self.cache)
+        keep = step.logits_indices
+        if extra_rows:
+            keep = torch.cat([keep, torch.tensor(list(extra_rows), dtype=keep.dtype, device=keep.device)])
         output = self.model(input_ids=step.input_ids, position_ids=step.positions,
-                            logits_to_keep=step.logits_indices, use_cache=False, paged_metadata=step.metadata)
+                            logits_to_keep=keep, use_cache=False, paged_metadata=step.metadata)
         logits: torch.Tensor = output.logits[0].float()
         return logits

@@ -27,7 +27,7 @@ from typing import Any
 
 import httpx
 
-from loadtest.bench_common import format_table, write_report
+from loadtest.bench_output import format_table, write_report
 from loadtest.client import TIMEOUT, Clock, RequestRecord, is_loopback_url, send_chat, served_model
 from loadtest.stats import percentile
 from loadtest.workload import INTERACTIVE, ChatRequest, LoadTenant, prompt_text

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # What structured outputs and log probabilities cost: one fairlane server, the same `fairlane bench serve`
 # requests three ways one after another (plain; response_format json_schema; logprobs with top_logprobs 5),
-# at 1 and 16 streams by default, then the three reports side by side (ratios to plain).
+# then plain once more, at 1 and 16 streams by default, and the reports side by side (ratios to the first
+# plain run). The second plain run shows how far the server drifted over the run (memory, caches):
+# a variant is only slower than plain if it is slower than both plain runs.
 #
 #   loadtest/surface_cost.sh OUT_DIR [CONCURRENCY] [-- fairlane serve options...]
 set -euo pipefail
@@ -23,5 +25,6 @@ run() {  # label, seed (distinct prompts, so no run finds another's in the prefi
 run plain 1 '{}'
 run json_schema 2 "{\"response_format\":{\"type\":\"json_schema\",\"json_schema\":{\"name\":\"facts\",\"schema\":$schema}}}"
 run logprobs 3 '{"logprobs":true,"top_logprobs":5}'
+run plain-again 4 '{}'
 "$bin/fairlane" bench serve --compare "$out/plain.json" "$out/json_schema.json" "$out/logprobs.json" \
-  | tee "$out/compare.txt"
+  "$out/plain-again.json" | tee "$out/compare.txt"

@@ -121,6 +121,8 @@ class KVBlockManager:
         Returns the number of tokens taken from the cache."""
         if not self.enable_prefix_caching or request.num_computed_tokens or request.block_ids:
             return 0
+        if request.sampling.prompt_logprobs is not None:  # every prompt position's logits are wanted
+            return 0
         limit = (request.num_tokens - 1) // self.block_size
         hashes = extend_block_hashes(request.block_hashes, request.token_ids, self.block_size,
                                      request.cache_salt, limit)

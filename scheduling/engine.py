@@ -20,6 +20,8 @@ from gpu.plan import StepPlan, StepResult
 from scheduling.executor import Executor
 from scheduling.request import Request, RequestId, RequestStatus, TokenEvent
 from scheduling.scheduler import Scheduler
+from scheduling.snapshot import SchedulerSnapshot
+from tenancy.tenants import TenantRegistry
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +43,16 @@ class EngineStopped(RuntimeError):
 class EngineHealth:
     is_healthy: bool
     reason: str | None = None  # why not, for /health and the logs
+
+
+def tenant_stats(snapshot: SchedulerSnapshot) -> dict[str, dict[str, object]]:
+    """Per class: each tenant's VTC counter and queue length."""
+    stats: dict[str, dict[str, object]] = {}
+    for name, counters in snapshot.vtc.items():
+        queued = snapshot.queued_by_tenant[name]
+        tenants = sorted(set(queued) | set(counters))
+        stats[name] = {t: {"vtc_counter": round(counters.get(t, 0.0), 3), "queued": queued.get(t, 0)} for t in tenants}
+    return stats
 
 
 class EngineObserver(Protocol):
@@ -107,6 +119,7 @@ class Engine:
         self.on_failure: list[Callable[[str], None]] = []  # told once, on the event loop, when the loop dies
         self._last_progress = time.monotonic()  # the end of the last step, or when work arrived at an idle engine
         self._in_flight_by_tenant: Counter[str] = Counter()
+        self._snapshot = scheduler.snapshot()
         self.times = EngineTimes()
         self._streams: dict[RequestId, RequestStream] = {}
         self._incoming: list[Request] = []
@@ -199,41 +212,47 @@ class Engine:
         self._accepting = False
         self._apply_commands()
         self._dispatch(self.scheduler.fail_all(message))
+        self._snapshot = self.scheduler.snapshot()
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
         self._pool.shutdown(wait=True)
 
+    @property
+    def tenants(self) -> TenantRegistry:
+        """The tenants the engine serves (configuration, not scheduler state)."""
+        return self.scheduler.tenants
+
+    @property
+    def snapshot(self) -> SchedulerSnapshot:
+        """The scheduler as of the end of the last step, or of the last commands applied."""
+        return self._snapshot
+
     def stats(self) -> dict[str, Any]:
-        s = self.scheduler
-        c = s.counters
-        bytes_per_block = s.geometry.bytes_per_block
+        """/stats: the snapshot, the requests not yet handed to the scheduler, and the step times."""
+        s = self._snapshot
         return {
-            "running": len(s.running),
-            "waiting": sum(len(q) for q in s.waiting.values()) + len(self._incoming),
-            "swapped": len(s.swapped),
-            "kv_blocks_in_use": s.blocks.device.num_used,
-            "kv_blocks_total": s.blocks.device.num_blocks,
-            "cpu_blocks_in_use": s.blocks.cpu.num_used,
-            "cpu_blocks_total": s.blocks.cpu.num_blocks,
-            "requests_finished": c.num_finished,
-            "requests_aborted": c.num_aborted,
-            "preemptions": {"swap": c.preemptions["swap"], "recompute": c.preemptions["recompute"]},
+            "running": s.running,
+            "waiting": s.waiting + len(self._incoming),
+            "swapped": s.swapped,
+            "kv_blocks_in_use": s.kv_blocks.used,
+            "kv_blocks_total": s.kv_blocks.total,
+            "cpu_blocks_in_use": s.cpu_blocks.used,
+            "cpu_blocks_total": s.cpu_blocks.total,
+            "requests_finished": s.num_finished,
+            "requests_aborted": s.num_aborted,
+            "preemptions": dict(s.preemptions),
             "swap": {
-                "blocks_out": c.blocks_swapped_out, "blocks_in": c.blocks_swapped_in,
-                "bytes_out": c.blocks_swapped_out * bytes_per_block,
-                "bytes_in": c.blocks_swapped_in * bytes_per_block,
+                "blocks_out": s.blocks_swapped_out, "blocks_in": s.blocks_swapped_in,
+                "bytes_out": s.blocks_swapped_out * s.bytes_per_block,
+                "bytes_in": s.blocks_swapped_in * s.bytes_per_block,
             },
-            "by_class": {p.value: {"running": sum(r.priority is p for r in s.running),
-                                   "waiting": len(s.waiting[p]),
-                                   "swapped": sum(r.priority is p for r in s.swapped)} for p in s.waiting},
-            "prefix_cache": {
-                "queried_tokens": s.blocks.prefix_counters.queried_tokens,
-                "hit_tokens": s.blocks.prefix_counters.hit_tokens,
-                "cached_blocks": s.blocks.device.num_cached,
-            },
-            "tenants": s.tenant_stats(),
+            "by_class": {name: {"running": load.running, "waiting": load.waiting, "swapped": load.swapped}
+                         for name, load in s.by_class.items()},
+            "prefix_cache": {"queried_tokens": s.prefix_queried_tokens, "hit_tokens": s.prefix_hit_tokens,
+                             "cached_blocks": s.cached_blocks},
+            "tenants": tenant_stats(s),
             "steps": self.times.steps,
             "forward_seconds": round(self.times.forward_seconds, 6),
             "busy_seconds": round(self.times.busy_seconds, 6),
@@ -268,8 +287,10 @@ class Engine:
         except Exception as exc:  # a failed step must not strand the requests in it
             logger.exception("engine step failed")
             self._dispatch(self.scheduler.fail_all(f"the engine failed: {type(exc).__name__}"))
+            self._snapshot = self.scheduler.snapshot()
             return
         self._dispatch(self.scheduler.update(plan, result))
+        self._snapshot = self.scheduler.snapshot()
         self._account(plan, result, time.perf_counter() - started)
 
     def _fail_loudly(self, reason: str) -> None:
@@ -300,6 +321,8 @@ class Engine:
             event = self.scheduler.finish_request(request_id, status)
             if event is not None:
                 self._dispatch([event])
+        if incoming or to_finish:
+            self._snapshot = self.scheduler.snapshot()
 
     def _dispatch(self, events: list[TokenEvent]) -> None:
         now = time.monotonic()

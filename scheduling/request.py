@@ -78,6 +78,7 @@ class Request:
     cache_salt: str = ""  # isolates prefix-cache entries: the tenant or its cache group, plus any request salt
     block_hashes: list[bytes] = field(default_factory=list)  # hash chain of full blocks, grown lazily
     num_registered_blocks: int = 0  # leading device blocks already entered in the prefix cache
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # for prompt positions 1.., when asked
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
 
@@ -118,6 +119,7 @@ class TokenEvent:
     num_cached_tokens: int = 0
     error: str | None = None  # set with finish_reason "error"
     logprobs: tuple[TokenLogprobs, ...] = ()  # one per new token, when the request asked for them
+    prompt_logprobs: tuple[TokenLogprobs, ...] = ()  # with the first token: one per prompt token after the first
 
     @property
     def is_final(self) -> bool:

@@ -14,12 +14,15 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 from gpu.plan import CacheGeometry, ScheduledSequence, StepPlan, StepResult, TokenLogprobs
 from scheduling.block_manager import KVBlockManager
 from scheduling.preemption import PreemptionEvent, PreemptionMode, choose_victim
 from scheduling.queue import RequestQueue, create_request_queue
 from scheduling.request import PriorityClass, Request, RequestId, RequestStatus, TokenEvent, finish_reason
+from scheduling.snapshot import BlockUse, ClassLoad, SchedulerSnapshot
+from scheduling.step_builder import StepBuilder
 from tenancy.tenants import TenantRegistry
 from tenancy.vtc import ServiceWeights, VirtualTokenCounter
 
@@ -120,14 +123,14 @@ class Scheduler:
         self.counters.num_steps += 1
         plan = StepPlan(finished_request_ids=self._finished_ids)
         self._finished_ids = []
-        budget = [self.config.max_num_batched_tokens]
-        made_room, interactive_demand = self._make_room_for_interactive(plan, budget[0])
-        if self._schedule_running(plan, budget, interactive_demand):
+        step = StepBuilder(plan, self.config.max_num_batched_tokens)
+        made_room, interactive_demand = self._make_room_for_interactive(plan, step.tokens_left)
+        if self._schedule_running(step, interactive_demand):
             return plan  # bringing work in right after pushing work out would only thrash
         # Room made for interactive requests is theirs in this very plan (the runner swaps out before
         # the forward); batch work waits for the next step. What must stay true: every swap-out of a
         # plan is decided before any swap-in, so no CPU block is freed and reused within one plan.
-        self._resume_and_admit(plan, budget, (PriorityClass.INTERACTIVE,) if made_room else CLASSES)
+        self._resume_and_admit(step, (PriorityClass.INTERACTIVE,) if made_room else CLASSES)
         return plan
 
     def _batch_reserve(self) -> int:
@@ -167,7 +170,7 @@ class Scheduler:
         yield from (r for r in self.swapped if r.priority is PriorityClass.INTERACTIVE)
         yield from self.waiting[PriorityClass.INTERACTIVE]
 
-    def _schedule_running(self, plan: StepPlan, budget: list[int], interactive_demand: int = 0) -> bool:
+    def _schedule_running(self, step: StepBuilder, interactive_demand: int = 0) -> bool:
         """Interactive before batch, decodes before prefill chunks. Running batch work leaves
         `interactive_demand` tokens for waiting interactive requests (less its batch_min_share).
         Returns whether any was preempted."""
@@ -178,48 +181,48 @@ class Scheduler:
         while pending:
             request = pending.popleft()
             is_interactive = request.priority is PriorityClass.INTERACTIVE
-            cap = budget[0] - (reserve if is_interactive else held_for_interactive)
+            cap = step.tokens_left - (reserve if is_interactive else held_for_interactive)
             num_new = min(request.num_uncomputed_tokens, cap)
             if num_new <= 0:
                 continue
             while self.blocks.allocate_slots(request, num_new) is None:
                 victim = choose_victim([request, *pending], request.priority)
                 assert victim is not None  # the request itself is always a candidate
-                self._preempt(victim, plan, request.priority)
+                self._preempt(victim, step.plan, request.priority)
                 preempted = True
                 if victim is request:
                     break
                 pending.remove(victim)
             else:
-                self._add_to_plan(plan, request, num_new, budget)
+                step.add(request, num_new)
         return preempted
 
-    def _resume_and_admit(self, plan: StepPlan, budget: list[int], classes: Iterable[PriorityClass]) -> None:
+    def _resume_and_admit(self, step: StepBuilder, classes: Iterable[PriorityClass]) -> None:
         for priority in classes:
-            if not self._resume_swapped(plan, budget, priority):
+            if not self._resume_swapped(step, priority):
                 return
-            if not self._admit_waiting(plan, budget, priority):
+            if not self._admit_waiting(step, priority):
                 return  # requests of this class still wait: lower classes do not jump ahead
 
-    def _resume_swapped(self, plan: StepPlan, budget: list[int], priority: PriorityClass) -> bool:
+    def _resume_swapped(self, step: StepBuilder, priority: PriorityClass) -> bool:
         """Swap requests of this class back in, oldest preemption first. False if some must wait."""
         for request in [r for r in self.swapped if r.priority is priority]:
-            if len(self.running) >= self.config.max_num_seqs or budget[0] <= 0:
+            if len(self.running) >= self.config.max_num_seqs or step.tokens_left <= 0:
                 return False
-            num_new = min(request.num_uncomputed_tokens, budget[0])
+            num_new = min(request.num_uncomputed_tokens, step.tokens_left)
             if not self.blocks.can_swap_in(request, num_new):
                 return False
             pairs = self.blocks.swap_in(request)
             assert pairs is not None and self.blocks.allocate_slots(request, num_new) is not None
-            plan.swap_in.extend(pairs)
+            step.plan.swap_in.extend(pairs)
             self.counters.blocks_swapped_in += len(pairs)
             self.swapped.remove(request)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            self._add_to_plan(plan, request, num_new, budget)
+            step.add(request, num_new)
         return True
 
-    def _admit_waiting(self, plan: StepPlan, budget: list[int], priority: PriorityClass) -> bool:
+    def _admit_waiting(self, step: StepBuilder, priority: PriorityClass) -> bool:
         """Admit in queue order (VTC across tenants). False if requests of this class still wait."""
         queue = self.waiting[priority]
         passed_over: set[str] = set()
@@ -227,20 +230,20 @@ class Scheduler:
             request = queue.peek(passed_over)
             if request is None:
                 return True  # only tenants at their limits are left: others may go ahead
-            if len(self.running) >= self.config.max_num_seqs or budget[0] <= 0:
+            if len(self.running) >= self.config.max_num_seqs or step.tokens_left <= 0:
                 return False
-            if self._at_tenant_limit(request, min(request.num_uncomputed_tokens, budget[0])):
+            if self._at_tenant_limit(request, min(request.num_uncomputed_tokens, step.tokens_left)):
                 passed_over.add(request.tenant_id)
                 continue
-            if not self._admit(request, plan, budget):
+            if not self._admit(request, step):
                 return False
             queue.remove(request)
         return True
 
-    def _admit(self, request: Request, plan: StepPlan, budget: list[int]) -> bool:
+    def _admit(self, request: Request, step: StepBuilder) -> bool:
         """Start a waiting request: share its cached prefix, allocate the rest of its first chunk."""
         num_cached = self.blocks.take_cached_prefix(request)
-        num_new = min(request.num_uncomputed_tokens, budget[0])
+        num_new = min(request.num_uncomputed_tokens, step.tokens_left)
         if self.blocks.allocate_slots(request, num_new) is None:
             self.blocks.free(request)  # give the shared prefix back; it stays cached
             request.num_computed_tokens = 0
@@ -253,7 +256,7 @@ class Scheduler:
             self.vtc[request.priority].charge(request.tenant_id, 0, 0, num_cached_prompt=num_cached)
         request.status = RequestStatus.RUNNING
         self.running.append(request)
-        self._add_to_plan(plan, request, num_new, budget)
+        step.add(request, num_new)
         return True
 
     def _at_tenant_limit(self, request: Request, num_new: int) -> bool:
@@ -312,24 +315,6 @@ class Scheduler:
         self.preemption_log.append(PreemptionEvent(self.counters.num_steps, victim.request_id,
                                                    victim.priority, mode, num_blocks, for_class))
 
-    @staticmethod
-    def _add_to_plan(plan: StepPlan, request: Request, num_new: int, budget: list[int]) -> None:
-        start = request.num_computed_tokens
-        needs_sample = start + num_new == request.num_tokens
-        sequence = ScheduledSequence(
-            request_id=request.request_id,
-            token_ids=request.token_ids[start:start + num_new],
-            start_position=start,
-            block_table=list(request.block_ids),
-            needs_sample=needs_sample,
-            sampling=request.sampling,
-        )
-        if needs_sample and request.sampling.needs_history:  # penalties and min_tokens read what came before
-            sequence.prompt_token_ids = tuple(request.prompt_token_ids)
-            sequence.output_token_ids = tuple(request.output_token_ids)
-        plan.sequences.append(sequence)
-        budget[0] -= num_new
-
     # ---- update ---------------------------------------------------------------------------
 
     def update(self, plan: StepPlan, result: StepResult) -> list[TokenEvent]:
@@ -342,6 +327,8 @@ class Scheduler:
             self._charge(request, seq)
             request.num_computed_tokens += len(seq.token_ids)
             self.blocks.cache_computed_blocks(request)
+            if seq.request_id in result.prompt_logprobs:
+                self._keep_prompt_logprobs(request, *result.prompt_logprobs[seq.request_id])
             if seq.needs_sample:
                 token = result.sampled_token_ids[seq.request_id]
                 request.token_ids.append(token)
@@ -351,6 +338,13 @@ class Scheduler:
                 logprobs = result.logprobs.get(seq.request_id)
                 events.append(self._event(request, (token,), () if logprobs is None else (logprobs,)))
         return events
+
+    @staticmethod
+    def _keep_prompt_logprobs(request: Request, first_position: int, entries: tuple[TokenLogprobs, ...]) -> None:
+        """Entry i is for prompt position i + 1. A prompt recomputed after a preemption yields
+        entries already kept: only the new tail is added."""
+        known = len(request.prompt_logprobs) + 1  # the next position without an entry
+        request.prompt_logprobs.extend(entries[max(0, known - first_position):])
 
     def _charge(self, request: Request, seq: ScheduledSequence) -> None:
         """Charge the tenant's counter: w_p for each prompt token computed for the first time, w_q for
@@ -398,19 +392,31 @@ class Scheduler:
     @staticmethod
     def _event(request: Request, new_tokens: tuple[int, ...], logprobs: tuple[TokenLogprobs, ...] = ()
                ) -> TokenEvent:
+        first = new_tokens and request.num_output_tokens == 1  # the prompt's log probabilities go with it
         return TokenEvent(request.request_id, new_tokens, finish_reason(request.status),
                           request.num_prompt_tokens, request.num_output_tokens, request.num_cached_tokens,
-                          logprobs=logprobs)
+                          logprobs=logprobs, prompt_logprobs=tuple(request.prompt_logprobs) if first else ())
 
     # ---- observation ----------------------------------------------------------------------
 
-    def tenant_stats(self) -> dict[str, dict[str, object]]:
-        """Per class: each tenant's VTC counter and queue length."""
-        stats: dict[str, dict[str, object]] = {}
-        for priority in CLASSES:
-            queued: Counter[str] = Counter(r.tenant_id for r in self.waiting[priority])
-            counters = self.vtc[priority].snapshot()
-            tenants = sorted(set(queued) | set(counters))
-            stats[priority.value] = {t: {"vtc_counter": round(counters.get(t, 0.0), 3),
-                                         "queued": queued.get(t, 0)} for t in tenants}
-        return stats
+    def snapshot(self) -> SchedulerSnapshot:
+        """The state readers outside may see (see scheduling/snapshot.py); changes nothing."""
+        c = self.counters
+        return SchedulerSnapshot(
+            step=c.num_steps,
+            by_class=MappingProxyType({p.value: ClassLoad(sum(r.priority is p for r in self.running),
+                                                          len(self.waiting[p]),
+                                                          sum(r.priority is p for r in self.swapped))
+                                       for p in CLASSES}),
+            queued_by_tenant=MappingProxyType({p.value: MappingProxyType(Counter(r.tenant_id for r in self.waiting[p]))
+                                               for p in CLASSES}),
+            vtc=MappingProxyType({p.value: MappingProxyType(self.vtc[p].snapshot()) for p in CLASSES}),
+            kv_blocks=BlockUse(self.blocks.device.num_used, self.blocks.device.num_blocks),
+            cpu_blocks=BlockUse(self.blocks.cpu.num_used, self.blocks.cpu.num_blocks),
+            cached_blocks=self.blocks.device.num_cached,
+            prefix_queried_tokens=self.blocks.prefix_counters.queried_tokens,
+            prefix_hit_tokens=self.blocks.prefix_counters.hit_tokens,
+            preemptions=MappingProxyType({mode: c.preemptions[mode] for mode in ("swap", "recompute")}),
+            blocks_swapped_out=c.blocks_swapped_out, blocks_swapped_in=c.blocks_swapped_in,
+            bytes_per_block=self.geometry.bytes_per_block, num_finished=c.num_finished, num_aborted=c.num_aborted,
+        )

@@ -8,6 +8,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 
+from benchmarks.fake_executors import FakeExecutor, RecordingExecutor, is_decode
 from gpu.models import LoadedModel
 from gpu.plan import CacheGeometry, SamplingParams, StepPlan
 from gpu.runner import ModelRunner, RunnerBudget, kv_shape_of
@@ -16,7 +17,6 @@ from scheduling.executor import Executor
 from scheduling.request import PriorityClass, Request, RequestId, TokenEvent
 from scheduling.scheduler import Scheduler, SchedulerConfig
 from tenancy.tenants import TenantId, TenantRegistry
-from tests.fakes import FakeExecutor, RecordingExecutor, is_decode
 
 _request_numbers = itertools.count()
 

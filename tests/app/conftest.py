@@ -20,10 +20,10 @@ import pytest
 from app.context import ServingContext
 from app.engine_factory import build_runner, scheduler_config_of, tenants_of
 from app.server import DrainingServer, uvicorn_config
+from benchmarks.fake_executors import InstantExecutor, instant_geometry
 from config.settings import Settings, load_settings
 from gpu.models import LoadedModel
 from gpu.tokenizer import ByteTokenizer, Tokenizer
-from loadtest.instant_executor import InstantExecutor, instant_geometry
 from scheduling.engine import Engine, RequestStream
 from scheduling.executor import Executor
 from scheduling.request import Request

@@ -13,6 +13,7 @@ from playwright.sync_api import Browser, Page, sync_playwright
 
 from app.dashboard import DashboardFeed
 from app.observability import Observability
+from benchmarks.fake_executors import FakeExecutor
 from scheduling.engine import Engine
 from scheduling.request import PriorityClass
 from scheduling.scheduler import Scheduler, SchedulerConfig
@@ -20,7 +21,6 @@ from tenancy.tenants import Tenant, TenantId, TenantRegistry
 from tests.app.conftest import ServerThread
 from tests.conftest import REPO_ROOT
 from tests.factories import collect, make_geometry, make_request, running
-from tests.fakes import FakeExecutor
 
 CHROMIUM = "/usr/bin/chromium"  # Debian's package, installed by `make install`
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",

@@ -124,7 +124,6 @@ def test_what_the_server_cannot_do_is_400_unsupported(http: httpx.Client, instan
 
 @pytest.mark.parametrize(("fields", "param", "says"), [
     ({"suffix": "}"}, "suffix", "fill in the middle"),
-    ({"echo": True, "logprobs": 1}, "echo", "prompt log probabilities"),
     ({"best_of": 3, "n": 2, "stream": True}, "best_of", "cannot be streamed"),
 ])
 def test_completions_fields_the_server_cannot_do_are_400(http: httpx.Client, instant_server: ServerThread,

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from app.generation import GenerationFailed, TextGeneration, TextPiece
+from benchmarks.bench_stream import build_instant_engine
 from config.settings import load_settings
 from gpu.tokenizer import ByteTokenizer
-from loadtest.instant_executor import build_instant_engine
 from scheduling.engine import Engine, RequestStream
 from scheduling.request import Request, RequestId, TokenEvent
 from tests.app.conftest import INSTANT_SETTINGS

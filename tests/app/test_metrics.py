@@ -19,13 +19,13 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from app.metrics import REJECTION_REASONS, RejectionReason, ServingMetrics, rejection_reason
 from app.observability import Observability
+from benchmarks.fake_executors import FakeExecutor
 from scheduling.engine import Engine
 from scheduling.request import PriorityClass, Request
 from scheduling.scheduler import Scheduler, SchedulerConfig
 from tenancy.tenants import Tenant, TenantId, TenantRegistry
 from tests.app.conftest import ServerThread
 from tests.factories import collect, make_geometry, make_request, make_scheduler, run_step, run_to_completion, running
-from tests.fakes import FakeExecutor
 
 INTERACTIVE, BATCH = PriorityClass.INTERACTIVE, PriorityClass.BATCH
 TWO_TENANTS = TenantRegistry([Tenant(TenantId("alice")), Tenant(TenantId("bob"), weight=2.0)], requires_auth=True)
@@ -151,7 +151,7 @@ async def test_scheduler_state_is_read_at_scrape_time() -> None:
 def test_queue_and_kv_gauges_while_requests_wait() -> None:
     scheduler = make_scheduler(SchedulerConfig(max_num_seqs=1), num_device_blocks=16, block_size=4,
                                tenants=TWO_TENANTS)
-    metrics = ServingMetrics(scheduler)
+    metrics = ServingMetrics(scheduler.snapshot, scheduler.tenants)
     for tenant, priority in [("alice", INTERACTIVE), ("bob", INTERACTIVE), ("alice", BATCH)]:
         scheduler.add_request(make_request(8, 4, tenant_id=tenant, priority=priority))
     run_step(scheduler, FakeExecutor(scheduler.geometry))
@@ -168,7 +168,7 @@ def test_preemption_and_swap_counters() -> None:
     """Two batch requests fill the device pool; an interactive one makes the newest swap out."""
     scheduler = make_scheduler(num_device_blocks=8, num_cpu_blocks=16, block_size=4)
     executor = FakeExecutor(scheduler.geometry)
-    metrics = ServingMetrics(scheduler)
+    metrics = ServingMetrics(scheduler.snapshot, scheduler.tenants)
     scheduler.add_request(make_request(16, 8, priority=BATCH))
     scheduler.add_request(make_request(12, 8, priority=BATCH))
     run_step(scheduler, executor)
@@ -193,7 +193,8 @@ def test_preemption_and_swap_counters() -> None:
 
 
 def test_rejections_by_reason_and_bounded_tenant() -> None:
-    metrics = ServingMetrics(make_scheduler(tenants=TWO_TENANTS))
+    scheduler = make_scheduler(tenants=TWO_TENANTS)
+    metrics = ServingMetrics(scheduler.snapshot, scheduler.tenants)
     metrics.record_rejection("rate_limit", "alice")
     metrics.record_rejection("rate_limit", "alice")
     metrics.record_rejection("unauthorized", None)
@@ -219,7 +220,8 @@ def test_rejection_reason_of_an_error_answer(status: int, code: str | None, reas
 
 
 def test_each_app_has_its_own_registry() -> None:
-    first, second = ServingMetrics(make_scheduler()), ServingMetrics(make_scheduler())
+    one, two = make_scheduler(), make_scheduler()
+    first, second = ServingMetrics(one.snapshot, one.tenants), ServingMetrics(two.snapshot, two.tenants)
     first.record_rejection("invalid_request", "default")
     assert scrape(first).value("fairlane:requests_rejected_total",
                                {"reason": "invalid_request", "tenant": "default"}) == 1

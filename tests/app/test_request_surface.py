@@ -222,3 +222,31 @@ def test_tokenize_detokenize_and_the_model_card(http: httpx.Client, tiny_server:
     assert card["max_model_len"] == tokenized["max_model_len"] == tiny_server.context.geometry.max_model_len
     assert card["root"] == "builtin:tiny" and card["parent"] is None
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+
+
+def test_echo_with_logprobs_gives_the_prompts_log_probabilities(client: openai.OpenAI, tiny_server: ServerThread,
+                                                                 tiny_reference: Any) -> None:
+    prompt = "The Rhine flows north"  # byte tokens: one per character
+    ids = list(prompt.encode())
+    expected = torch.log_softmax(hf_logits(tiny_reference, ids), dim=-1)
+    fields: Any = {"model": tiny_server.model_name, "prompt": prompt, "max_tokens": 3, "echo": True, "logprobs": 2,
+                   **GREEDY}
+    whole = [client.completions.create(**fields) for _ in range(2)]  # the second would find the prompt cached
+    chunks = list(client.completions.create(stream=True, **fields))
+    streamed = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+
+    for result in whole:
+        logprobs = result.choices[0].logprobs
+        assert logprobs is not None and logprobs.tokens is not None and logprobs.token_logprobs is not None
+        assert result.choices[0].text.startswith(prompt)
+        assert "".join(logprobs.tokens[:len(ids)]) == prompt and len(logprobs.tokens) == len(ids) + 3
+        assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs is not None
+        assert logprobs.top_logprobs[0] is None
+        for position in range(1, len(ids)):
+            assert logprobs.token_logprobs[position] == pytest.approx(float(expected[position - 1, ids[position]]),
+                                                                      abs=1e-4)
+        assert logprobs.text_offset == [sum(len(t) for t in logprobs.tokens[:i]) for i in range(len(ids) + 3)]
+    assert whole[0].choices[0].logprobs == whole[1].choices[0].logprobs
+    tokens = [t for lp in streamed for t in lp.tokens or []]
+    assert tokens == whole[0].choices[0].logprobs.tokens  # type: ignore[union-attr]
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole[0].choices[0].text

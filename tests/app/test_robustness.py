@@ -16,10 +16,10 @@ import pytest
 
 from app.batch.runner import RetryLater
 from app.routes import OpenAIRoutes
+from benchmarks.fake_executors import InstantExecutor, instant_geometry
 from config.settings import load_settings
 from gpu.plan import CacheGeometry, StepPlan, StepResult
 from gpu.tokenizer import ByteTokenizer
-from loadtest.instant_executor import InstantExecutor, instant_geometry
 from tenancy.tenants import hash_api_key
 from tests.app.conftest import INSTANT_SETTINGS, ServerThread, _context, fresh_db_path, instant_context, wait_for
 

@@ -18,7 +18,7 @@ def test_an_unknown_config_key_is_named_at_start_up(tmp_path: Path, capsys: pyte
 
 
 def test_serve_flags_reach_the_settings() -> None:
-    from app.cli import settings_from_args
+    from app.flags import settings_from_args
     from app.server import SERVE_FLAG_KEYS
 
     args = build_parser().parse_args(["serve", "--model", "builtin:tiny", "--port", "0", "--max-num-seqs", "8",

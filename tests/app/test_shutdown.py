@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -15,10 +15,69 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.app.conftest import ServerThread, wait_for
+from benchmarks.fake_executors import InstantExecutor, instant_geometry
+from config.settings import load_settings
+from gpu.plan import CacheGeometry, StepPlan, StepResult
+from gpu.tokenizer import ByteTokenizer
+from tests.app.conftest import INSTANT_SETTINGS, ServerThread, _context, fresh_db_path, wait_for
 from tests.app.sse import sse_frames, sse_payloads
 
 FAIRLANE = Path(sys.executable).with_name("fairlane")
+# uvicorn's start-up line: with --port 0 it names the port the server bound.
+STARTED_LINE = re.compile(r"Uvicorn running on (http://127\.0\.0\.1:\d+)")
+
+
+class SteppedExecutor(InstantExecutor):
+    """The instant executor, running a step only once the test allows it: work lasts exactly as long
+    as the test holds it, whatever the machine's speed. A step held 60 s fails loudly."""
+
+    def __init__(self, geometry: CacheGeometry) -> None:
+        super().__init__(geometry)
+        self._changed = threading.Condition()
+        self._num_allowed = 0
+        self._is_open = False
+
+    @property
+    def num_allowed(self) -> int:
+        """Steps allowed that have not started yet."""
+        return self._num_allowed
+
+    def allow(self, num_steps: int) -> None:
+        with self._changed:
+            self._num_allowed += num_steps
+            self._changed.notify_all()
+
+    def open(self) -> None:
+        """Run every step from now on, without holding (so that a server can finish and stop)."""
+        with self._changed:
+            self._is_open = True
+            self._changed.notify_all()
+
+    def step_until(self, done: Callable[[], bool], what: str) -> None:
+        """Run steps one at a time until done() holds, so that the work stops within a step of it."""
+        def next_step_or_done() -> bool:
+            if self.num_allowed == 0:
+                self.allow(1)
+            return done()
+
+        wait_for(next_step_or_done, timeout=60, what=what)
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        with self._changed:
+            if not self._changed.wait_for(lambda: self._is_open or self._num_allowed > 0, timeout=60):
+                raise TimeoutError("the test never let this step run")
+            if not self._is_open:
+                self._num_allowed -= 1
+        return super().execute(plan)
+
+
+def stepped_server(tenants_file: Path | None = None, **overrides: Any) -> tuple[ServerThread, SteppedExecutor]:
+    """An instant server whose every step waits for the test; open the executor before stopping it."""
+    settings = load_settings(environ={}, overrides={**INSTANT_SETTINGS, "batch_db_path": fresh_db_path(),
+                                                    "tenants_file": str(tenants_file) if tenants_file else None,
+                                                    **overrides})
+    executor = SteppedExecutor(instant_geometry(settings, max_model_len=1024))
+    return ServerThread(_context(settings, executor, ByteTokenizer())).start(), executor
 
 
 def stream_body(model: str, max_tokens: int) -> dict[str, Any]:
@@ -49,45 +108,71 @@ class StreamReader(threading.Thread):
         return self.content
 
 
-def test_streams_past_the_grace_period_end_with_an_error_event(
-        start_tiny_server: Callable[..., ServerThread]) -> None:
-    server = start_tiny_server(shutdown_grace_s=0.2)
-    reader = StreamReader(server.base_url, stream_body(server.model_name, 900))
-    reader.start()
-    assert reader.started.wait(30)
-
-    server.stop()
+def test_streams_past_the_grace_period_end_with_an_error_event() -> None:
+    server, executor = stepped_server(shutdown_grace_s=0.2)
+    reader = StreamReader(server.base_url, stream_body(server.model_name, 100))
+    try:
+        reader.start()
+        executor.allow(2)  # the first tokens; the stream's third step is held until the end
+        assert reader.started.wait(30)
+        server.server.request_shutdown()
+        wait_for(lambda: server.engine.num_unfinished == 0, what="the drain to end the held stream")
+    finally:
+        executor.open()
+        server.stop()
     frames = sse_frames(reader.finished_content())
 
     assert frames[-1] == "[DONE]"
     assert '"error"' in frames[-2] and "shutting down" in frames[-2]
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
+class ServedProcess:
+    """`fairlane serve --model builtin:tiny --port 0` as a real process. The server binds a free port
+    itself (a number picked here could be taken before it binds) and uvicorn's start-up line on
+    stderr says which; a thread keeps reading stderr so that the pipe never fills."""
+
+    def __init__(self, env: dict[str, str]) -> None:
+        self.process = subprocess.Popen([str(FAIRLANE), "serve", "--model", "builtin:tiny", "--port", "0"],
+                                        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        self.log: list[str] = []
+        self.base_url = ""
+        self._log_reader = threading.Thread(target=self._read_log, name="serve-log", daemon=True)
+        self._log_reader.start()
+
+    def _read_log(self) -> None:
+        assert self.process.stderr is not None
+        with self.process.stderr:
+            for line in self.process.stderr:
+                self.log.append(line)
+                if not self.base_url and (started := STARTED_LINE.search(line)):
+                    self.base_url = started[1]
+
+    def wait_ready(self) -> ServedProcess:
+        wait_for(lambda: (self.base_url != "" and is_ready(self.base_url)) or self.process.poll() is not None,
+                 timeout=60, interval=0.1, what="the server to start")
+        if self.process.poll() is not None:
+            self._log_reader.join(timeout=10)
+        assert self.process.poll() is None, "".join(self.log)
+        return self
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait(timeout=30)
+        self._log_reader.join(timeout=10)
 
 
 @pytest.fixture
-def served_process() -> Iterator[tuple[subprocess.Popen[bytes], str]]:
+def served_process() -> Iterator[tuple[subprocess.Popen[str], str]]:
     """`fairlane serve --model builtin:tiny` as a real process, killed if a test leaves it running."""
-    port = free_port()
     env = {**os.environ, "FAIRLANE_SHUTDOWN_GRACE_S": "3", "FAIRLANE_KV_CACHE_BYTES": str(4 * 1024 * 1024),
            "FAIRLANE_SWAP_SPACE_BYTES": "0"}
-    process = subprocess.Popen([str(FAIRLANE), "serve", "--model", "builtin:tiny", "--port", str(port)],
-                               env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    base_url = f"http://127.0.0.1:{port}"
+    served = ServedProcess(env)
     try:
-        wait_for(lambda: is_ready(base_url) or process.poll() is not None, timeout=60, interval=0.1,
-                 what="the server to start")
-        assert process.poll() is None, process.communicate()[1].decode()
-        yield process, base_url
+        served.wait_ready()
+        yield served.process, served.base_url
     finally:
-        if process.poll() is None:
-            process.kill()
-        process.communicate()
+        served.kill()
 
 
 def is_ready(base_url: str) -> bool:
@@ -97,7 +182,7 @@ def is_ready(base_url: str) -> bool:
         return False
 
 
-def test_sigterm_drains_then_exits(served_process: tuple[subprocess.Popen[bytes], str]) -> None:
+def test_sigterm_drains_then_exits(served_process: tuple[subprocess.Popen[str], str]) -> None:
     process, base_url = served_process
     short = StreamReader(base_url, stream_body("builtin:tiny", 120))  # ends within the 3 s grace period
     long = StreamReader(base_url, stream_body("builtin:tiny", 1000))  # cannot

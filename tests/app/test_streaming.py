@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 import pytest
 
-from loadtest.instant_executor import script_text
+from benchmarks.fake_executors import script_text
 from scheduling.request import PriorityClass, RequestStatus
 from tests.app.conftest import ServerThread, wait_for
 from tests.app.sse import finish_reasons, sse_payloads, streamed_text

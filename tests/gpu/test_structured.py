@@ -16,6 +16,7 @@ import jsonschema
 import pytest
 import torch
 
+from benchmarks.fake_executors import RecordingExecutor
 from gpu.models import SMOLLM2_SPEC, LoadedModel, load_model
 from gpu.plan import SamplingParams, ScheduledSequence, StructuredOutput
 from gpu.runner import ModelRunner
@@ -34,7 +35,6 @@ from tests.factories import (
     tokens_of,
     wait_until,
 )
-from tests.fakes import RecordingExecutor
 from tests.gpu.reference import byte_prompt
 
 EOS = ByteTokenizer.EOS

@@ -1,1 +1,1 @@
-"""Tests of the benchmarks."""
+"""Tests of the HTTP load client and `fairlane bench serve`."""

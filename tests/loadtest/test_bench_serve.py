@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from app.cli import main
+from benchmarks.cli import main
 from gpu.models import LoadedModel
 from loadtest.bench_serve import compare_table, default_requests, make_prompts
 from tests.app.conftest import ServerThread, tiny_context

@@ -10,6 +10,7 @@ from typing import Protocol
 
 import pytest
 
+from benchmarks.fake_executors import FailingExecutor
 from scheduling.engine import Engine, EngineOverloaded, EngineStopped
 from scheduling.request import Request, RequestStatus, TokenEvent
 from scheduling.scheduler import AdmissionError, SchedulerConfig
@@ -25,7 +26,6 @@ from tests.factories import (
     tokens_of,
     wait_until,
 )
-from tests.fakes import FailingExecutor
 
 
 class EngineBuilder(Protocol):

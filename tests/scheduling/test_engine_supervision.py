@@ -8,13 +8,13 @@ from typing import Any
 
 import pytest
 
+from benchmarks.fake_executors import FakeExecutor
 from gpu.plan import StepPlan, StepResult
 from scheduling.engine import Engine, EngineOverloaded, EngineStopped, TenantOverShare
 from scheduling.request import Request, TokenEvent
 from scheduling.scheduler import Scheduler, SchedulerConfig
 from tenancy.tenants import Tenant, TenantId, TenantRegistry
 from tests.factories import collect, make_fake_engine, make_geometry, make_request, running, wait_until
-from tests.fakes import FakeExecutor
 
 
 def break_after(engine: Engine, method: str, num_calls: int) -> None:

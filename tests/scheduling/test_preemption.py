@@ -12,13 +12,13 @@ import asyncio
 
 import pytest
 
+from benchmarks.fake_executors import FakeExecutor
 from gpu.models import LoadedModel
 from gpu.plan import StepPlan
 from scheduling.preemption import PreemptionMode
 from scheduling.request import PriorityClass, Request, RequestStatus
 from scheduling.scheduler import Scheduler, SchedulerConfig
 from tests.factories import make_geometry, make_request, run_step, running, tokens_of, wait_until
-from tests.fakes import FakeExecutor
 from tests.scheduling.preemption_helpers import (
     RequestSpec,
     assert_all_blocks_free,

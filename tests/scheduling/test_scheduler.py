@@ -6,11 +6,11 @@ from collections.abc import Callable
 
 import pytest
 
+from benchmarks.fake_executors import FakeExecutor, fake_token, is_decode
 from scheduling.preemption import PreemptionMode
 from scheduling.request import Request, RequestId, RequestStatus
 from scheduling.scheduler import AdmissionError, Scheduler, SchedulerConfig
 from tests.factories import make_request, make_scheduler, run_step, run_to_completion
-from tests.fakes import FakeExecutor, fake_token, is_decode
 
 
 def add(scheduler: Scheduler, *requests: Request) -> None:

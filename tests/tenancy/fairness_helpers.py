@@ -12,12 +12,12 @@ from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from benchmarks.fake_executors import FakeExecutor, TokenCosts
 from gpu.plan import CacheGeometry, StepPlan
 from scheduling.request import PriorityClass, Request, RequestId
 from scheduling.scheduler import Scheduler, SchedulerConfig
 from tenancy.tenants import Tenant, TenantId, TenantLimits, TenantRegistry
 from tenancy.vtc import ServiceWeights
-from tests.fakes import FakeExecutor, TokenCosts
 
 INTERACTIVE = PriorityClass.INTERACTIVE
 BATCH = PriorityClass.BATCH

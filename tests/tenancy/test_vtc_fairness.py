@@ -13,11 +13,11 @@ from collections.abc import Container
 
 import pytest
 
+from benchmarks.fake_executors import TokenCosts
 from scheduling.queue import FCFSQueue, VTCQueue
 from scheduling.request import Request, RequestId
 from tenancy.tenants import TenantId, TenantLimits
 from tenancy.vtc import ServiceWeights, VirtualTokenCounter
-from tests.fakes import TokenCosts
 from tests.tenancy.fairness_helpers import BATCH, INTERACTIVE, FairnessSim, jain_index, make_sim, vtc_bound
 
 PROMPTS = (16, 40, 64)  # every tenant cycles through the same request shapes

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from app.cli import main
+from benchmarks.cli import main
 
 
 def test_bench_stream_reports_each_level(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from app.cli import main
-from loadtest.bench_fairness import FairnessWorkload, RpmLimiter, TenantLoad, make_arrivals
+from benchmarks.bench_fairness import FairnessWorkload, RpmLimiter, TenantLoad, make_arrivals
+from benchmarks.cli import main
 from loadtest.stats import jain_index, percentile
 
 

@@ -21,11 +21,11 @@ from typing import Any
 
 import torch
 
-from app.cli import add_model_flags, settings_from_args
 from app.engine_factory import build_engine, load_model_for
+from app.flags import add_model_flags, settings_from_args
 from config.settings import Settings
 from gpu.models import LoadedModel
-from loadtest.bench_common import format_table, write_report
+from loadtest.bench_output import format_table, write_report
 from scheduling.request import Request, RequestId
 
 PROMPTS = (

@@ -6,8 +6,8 @@ import json
 import math
 from pathlib import Path
 
-from app.cli import main
-from loadtest.bench_quality import PROMPTS, corpus_text
+from benchmarks.bench_quality import PROMPTS, corpus_text
+from benchmarks.cli import main
 
 
 def test_quality_report_covers_each_mode(tmp_path: Path) -> None:

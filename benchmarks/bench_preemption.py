@@ -31,9 +31,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from app.cli import MODEL_FLAG_KEYS, add_model_flags
+from app.engine_factory import build_engine, load_model_for
+from app.flags import MODEL_FLAG_KEYS, add_model_flags
+from benchmarks.common import BenchRequest
 from config.settings import MiB, Settings, load_settings
-from loadtest.bench_common import BenchRequest, format_table, write_report
+from loadtest.bench_output import format_table, write_report
 from loadtest.stats import percentile
 from scheduling.engine import Engine, RequestStream
 from scheduling.request import PriorityClass, Request, RequestId
@@ -208,8 +210,6 @@ async def drive(engine: Engine, spec: RunSpec, traffic: Traffic, window_s: float
 def run_all(overrides: dict[str, Any], traffic: Traffic, config_file: str | None = None,
             runs: Sequence[RunSpec] = RUNS) -> tuple[Settings, dict[str, RunTrace]]:
     """Every run in order, on one loaded model; the batch-alone window is the interactive-alone one."""
-    from app.engine_factory import build_engine, load_model_for
-
     base = load_settings(config_file, overrides=overrides)
     loaded = load_model_for(base)
     traces: dict[str, RunTrace] = {}

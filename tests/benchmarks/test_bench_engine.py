@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from app.cli import main
-from loadtest.bench_common import WorkloadSpec, make_workload
+from benchmarks.cli import main
+from benchmarks.common import WorkloadSpec, make_workload
 
 SYSTEMS = ("fairlane", "hf_static", "hf_continuous")
 

@@ -26,9 +26,9 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from app.cli import add_model_flags, settings_from_args
-from config.settings import Settings
-from loadtest.bench_common import (
+from app.engine_factory import build_engine, load_model_for
+from app.flags import add_model_flags, settings_from_args
+from benchmarks.common import (
     BenchRequest,
     MiB,
     SystemResult,
@@ -36,11 +36,13 @@ from loadtest.bench_common import (
     common_prefix_fraction,
     count_requested_tokens,
     exact_match_fraction,
-    format_table,
     make_workload,
     peak_rss_bytes,
-    write_report,
 )
+from config.settings import Settings
+from gpu.runner import kv_shape_of
+from loadtest.bench_output import format_table, write_report
+from scheduling.request import Request, RequestId
 
 SYSTEMS = ("fairlane", "hf_static", "hf_continuous")
 PEERS = ("hf_static", "hf_continuous")
@@ -64,8 +66,6 @@ def run_system(name: str, options: EngineBenchOptions) -> SystemResult:
     """Run one system on the whole workload, in this process."""
     import torch
 
-    from app.engine_factory import load_model_for
-
     if options.num_threads is not None:
         torch.set_num_threads(options.num_threads)
     workload = make_workload(options.workload)
@@ -80,15 +80,11 @@ def run_system(name: str, options: EngineBenchOptions) -> SystemResult:
 
 
 def _run_fairlane(settings: Settings, loaded: Any, workload: list[BenchRequest]) -> SystemResult:
-    from app.engine_factory import build_engine
-
     engine, _ = build_engine(settings, loaded)
     return asyncio.run(_drive_engine(engine, workload))
 
 
 async def _drive_engine(engine: Any, workload: list[BenchRequest]) -> SystemResult:
-    from scheduling.request import Request, RequestId
-
     def request(request_id: str, req: BenchRequest) -> Request:
         return Request(RequestId(request_id), list(req.prompt_token_ids), req.num_output_tokens,
                        stop_token_ids=frozenset())
@@ -167,8 +163,6 @@ def _run_hf_continuous(settings: Settings, loaded: Any, workload: list[BenchRequ
     memory and build attention masks for 8192-token batches. It keeps its own page size (256 tokens),
     which runs faster on the CPU than the engine's 16-token blocks; the KV bytes are the same."""
     from transformers import ContinuousBatchingConfig, GenerationConfig
-
-    from gpu.runner import kv_shape_of
 
     page_size = ContinuousBatchingConfig().page_size
     bytes_per_page = kv_shape_of(loaded, page_size).bytes_per_block

@@ -1,7 +1,7 @@
 """`fairlane bench stream`: the HTTP + SSE path alone, at 1, 16, 64 and 256 concurrent streams.
 
 The server is fairlane's own app on uvicorn over loopback, in a process of its own, with an
-executor that costs nothing (`loadtest.instant_executor`) and the byte tokenizer. So what is
+executor that costs nothing (`benchmarks.fake_executors.InstantExecutor`) and the byte tokenizer. So what is
 measured is everything but the model: engine loop, scheduler, detokenization, stop-string checks,
 JSON and SSE framing, HTTP. The clients are httpx async streams in this process, so their CPU is
 not counted as the server's. Per level: streamed tokens/s, SSE events/s, and the server's CPU time
@@ -27,7 +27,15 @@ from typing import Any
 import httpx
 import psutil
 
-from loadtest.bench_common import format_table, write_report
+from app.context import ServingContext
+from app.engine_factory import scheduler_config_of
+from app.server import DrainingServer, uvicorn_config
+from benchmarks.fake_executors import InstantExecutor, instant_geometry
+from config.settings import Settings, load_settings
+from gpu.tokenizer import ByteTokenizer
+from loadtest.bench_output import format_table, write_report
+from scheduling.engine import Engine
+from scheduling.scheduler import Scheduler
 
 MiB = 1024 * 1024
 MODEL_NAME = "instant"
@@ -74,13 +82,15 @@ class LevelResult:
 # ---- the server process --------------------------------------------------------------------------
 
 
+def build_instant_engine(settings: Settings, max_model_len: int = 4096) -> tuple[Engine, ByteTokenizer]:
+    """An engine (not started) over an InstantExecutor, and the byte tokenizer its output is read with."""
+    executor = InstantExecutor(instant_geometry(settings, max_model_len))
+    scheduler = Scheduler(scheduler_config_of(settings), executor.geometry)
+    return Engine(scheduler, executor, max_queued_requests=settings.max_queued_requests), ByteTokenizer()
+
+
 def serve_instant(port: int, coalesce: bool) -> None:
     """Run the real app on an instant engine until SIGTERM (this is the server process)."""
-    from app.context import ServingContext
-    from app.server import DrainingServer, uvicorn_config
-    from config.settings import load_settings
-    from loadtest.instant_executor import build_instant_engine
-
     settings = load_settings(environ={}, overrides={
         "model": MODEL_NAME, "port": port, "max_num_seqs": 1024, "max_num_batched_tokens": 8192,
         "max_queued_requests": 4096, "kv_cache_bytes": 256 * MiB, "shutdown_grace_s": 1.0,
@@ -104,7 +114,7 @@ def _free_port() -> int:
 @contextmanager
 def server_process(coalesce: bool) -> Iterator[tuple[str, psutil.Process]]:
     port = _free_port()
-    command = [sys.executable, "-m", "loadtest.bench_stream", "--serve-port", str(port),
+    command = [sys.executable, "-m", "benchmarks.bench_stream", "--serve-port", str(port),
                "--serve-coalesce", "on" if coalesce else "off"]
     process = subprocess.Popen(command, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     base_url = f"http://127.0.0.1:{port}"

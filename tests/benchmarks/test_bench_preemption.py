@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from app.cli import main
-from loadtest.bench_preemption import RUNS, Traffic, interactive_arrivals, judge
+from benchmarks.bench_preemption import RUNS, Traffic, interactive_arrivals, judge
+from benchmarks.cli import main
 from loadtest.stats import percentile
 
 TRAFFIC_FLAGS = ["--seed", "5", "--duration", "1.5", "--interactive-rate", "4", "--interactive-prompt-len", "16:40",

@@ -16,9 +16,10 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from app.cli import add_model_flags, settings_from_args
+from app.engine_factory import build_engine
+from app.flags import add_model_flags, settings_from_args
 from config.settings import Settings
-from loadtest.bench_common import format_table, write_report
+from loadtest.bench_output import format_table, write_report
 from loadtest.stats import percentile_or_nan as percentile
 from scheduling.engine import Engine
 from scheduling.request import Request, RequestId
@@ -77,8 +78,6 @@ async def closed_loop(engine: Engine, workload: PrefixWorkload, concurrency: int
 
 
 def run_mode(settings: Settings, workload: PrefixWorkload, concurrency: int, caching: bool) -> dict[str, Any]:
-    from app.engine_factory import build_engine
-
     engine, _ = build_engine(settings.model_copy(update={"enable_prefix_caching": caching}))
     outcomes, wall = asyncio.run(closed_loop(engine, workload, concurrency))
     hits = [o.ttft for o in outcomes if o.num_cached_tokens > 0]

@@ -1,17 +1,15 @@
-"""Pieces shared by the benchmarks: a seeded workload, per-system results, peak memory, the table.
+"""Pieces shared by the in-process benchmarks: a seeded workload, per-system results, peak memory.
 
 Torch-free: the systems under test import their own stacks; this module only describes and reports.
 """
 
 from __future__ import annotations
 
-import json
 import random
 import resource
 import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 KiB = 1024
@@ -96,21 +94,3 @@ def common_prefix_fraction(ours: Sequence[Sequence[int]], theirs: Sequence[Seque
     shares = [shared(a, b, r.num_output_tokens) / r.num_output_tokens
               for a, b, r in zip(ours, theirs, workload, strict=True) if r.num_output_tokens]
     return sum(shares) / len(shares) if shares else 0.0
-
-
-def write_report(out: str | None, document: Any) -> None:
-    """The benchmark's JSON report at --out, if one was asked for."""
-    if out:
-        path = Path(out)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(document, indent=2) + "\n")
-
-
-def format_table(rows: Sequence[Sequence[str]]) -> str:
-    """A plain fixed-width table; the first row is the header."""
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(cell.rjust(w) if i else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths,
-                                                                                                strict=True)))
-             for row in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)

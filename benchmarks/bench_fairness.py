@@ -2,11 +2,11 @@
 weighted fair queues (VTC), first come first served (FCFS), and FCFS behind a per-tenant
 requests-per-minute limit (RPM) that rejects what is over it.
 
-No model runs. The executor is a stand-in whose step cost is a linear model of the step's tokens
-(a fixed overhead plus a cost per token) on a virtual clock, so a run takes seconds and gives the
-same numbers on every machine. Arrivals are seeded Poisson processes: a heavy tenant sending 10x
-what a light one sends, a second backlogged tenant of weight 2, and light tenants. A last run,
-under VTC, leaves the heavy tenant out to show what it costs the light ones.
+No model runs. The executor is the scheduler tests' `FakeExecutor`, its step cost linear in the step's
+tokens (`LinearStepCost`: a fixed overhead plus a cost per token) on a virtual clock, so a run takes
+seconds and gives the same numbers on every machine. Arrivals are seeded Poisson processes: a heavy
+tenant sending 10x what a light one sends, a second backlogged tenant of weight 2, and light tenants.
+A last run, under VTC, leaves the heavy tenant out to show what it costs the light ones.
 
 Service is `w_p` per prompt token computed plus `w_q` per generated token (the scheduler's VTC
 weights), unweighted. Shares are of the service given while arrivals came (afterwards every system
@@ -20,15 +20,15 @@ from __future__ import annotations
 
 import argparse
 import random
-import zlib
 from collections import Counter, defaultdict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from gpu.plan import CacheGeometry, StepPlan, StepResult
-from loadtest.bench_common import format_table, write_report
+from benchmarks.fake_executors import FakeExecutor, LinearStepCost
+from gpu.plan import CacheGeometry
+from loadtest.bench_output import format_table, write_report
 from loadtest.stats import jain_index, percentile_or_nan
 from scheduling.request import Request, RequestId
 from scheduling.scheduler import Scheduler, SchedulerConfig
@@ -44,17 +44,6 @@ class TenantLoad:
     weight: float
     rate: float  # requests per virtual second, Poisson
     is_light: bool = False  # counted in the light tenants' TTFT target
-
-
-@dataclass(slots=True, frozen=True)
-class StepCost:
-    """Virtual seconds a step takes: a fixed overhead plus a cost per token fed."""
-
-    overhead_s: float = 0.005
-    per_token_s: float = 0.0001
-
-    def seconds(self, plan: StepPlan) -> float:
-        return self.overhead_s + self.per_token_s * plan.num_tokens if plan.sequences else 0.0
 
 
 @dataclass(slots=True, frozen=True)
@@ -94,27 +83,6 @@ def make_arrivals(workload: FairnessWorkload) -> list[Arrival]:
                                     rng.randint(*workload.output_len)))
             moment += rng.expovariate(tenant.rate)
     return sorted(arrivals, key=lambda a: (a.time, a.tenant_id))
-
-
-class LinearCostExecutor:
-    """Satisfies `scheduling.executor.Executor`: a deterministic token per sampled sequence, and a
-    virtual clock advanced by `StepCost` for each step."""
-
-    def __init__(self, geometry: CacheGeometry, cost: StepCost) -> None:
-        self._geometry = geometry
-        self.cost = cost
-        self.clock = 0.0
-
-    @property
-    def geometry(self) -> CacheGeometry:
-        return self._geometry
-
-    def execute(self, plan: StepPlan) -> StepResult:
-        seconds = self.cost.seconds(plan)
-        self.clock += seconds
-        sampled = {seq.request_id: zlib.crc32(f"{seq.request_id}@{seq.start_position}".encode()) % 256
-                   for seq in plan.sequences if seq.needs_sample}
-        return StepResult(sampled_token_ids=sampled, forward_seconds=seconds)
 
 
 class RpmLimiter:
@@ -163,7 +131,7 @@ class _Replay:
     """The loop of one system: admit arrivals that are due, step, record."""
 
     scheduler: Scheduler
-    executor: LinearCostExecutor
+    executor: FakeExecutor
     run: SystemRun
     duration_s: float
     limiter: RpmLimiter | None
@@ -222,10 +190,10 @@ class _Replay:
 
 
 def replay(name: str, arrivals: Sequence[Arrival], tenants: Sequence[TenantLoad], config: SchedulerConfig,
-           geometry: CacheGeometry, cost: StepCost, duration_s: float, rpm_limit: int | None = None) -> SystemRun:
+           geometry: CacheGeometry, cost: LinearStepCost, duration_s: float, rpm_limit: int | None = None) -> SystemRun:
     """Run the arrivals through a fresh scheduler until every request has finished."""
     registry = TenantRegistry([Tenant(TenantId(t.tenant_id), t.weight) for t in tenants], requires_auth=False)
-    executor = LinearCostExecutor(geometry, cost)
+    executor = FakeExecutor(geometry, cost, vocab_size=256)
     run = SystemRun(name, {t.tenant_id: t.weight for t in tenants})
     loop = _Replay(Scheduler(config, geometry, registry), executor, run, duration_s,
                    RpmLimiter(rpm_limit) if rpm_limit is not None else None)
@@ -248,7 +216,7 @@ def replay(name: str, arrivals: Sequence[Arrival], tenants: Sequence[TenantLoad]
 @dataclass(slots=True, frozen=True)
 class FairnessBenchOptions:
     workload: FairnessWorkload = FairnessWorkload(DEFAULT_TENANTS)
-    cost: StepCost = StepCost()
+    cost: LinearStepCost = field(default_factory=LinearStepCost)
     rpm_limit: int = 360  # requests per minute per tenant, for the RPM system
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 512

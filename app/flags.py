@@ -1,0 +1,34 @@
+"""The flags of every command that loads a model (serve, generate, the in-process benchmarks), and
+the settings they make. Its own module so that the commands can share it without importing each other."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+
+from config.settings import Settings, load_settings
+
+
+def add_model_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", help="model spec: smollm2-135m, builtin:tiny, builtin:small, "
+                                        "a checkpoint dir or a .gguf file")
+    parser.add_argument("--config", help="a TOML settings file")
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument("--max-num-seqs", type=int)
+    parser.add_argument("--max-num-batched-tokens", type=int)
+    parser.add_argument("--quantization", choices=["none", "int8", "int4"],
+                        help="weight-only quantization of every linear layer, the LM head included")
+    parser.add_argument("--kv-cache-bytes", type=int, help="the KV pool in bytes (default: a share of free memory)")
+    parser.add_argument("--kv-cache-memory-fraction", type=float,
+                        help="the KV pool's share of the memory free after loading, without --kv-cache-bytes")
+    parser.add_argument("--block-size", type=int)
+
+
+MODEL_FLAG_KEYS = ("model", "device", "dtype", "quantization", "max_num_seqs", "max_num_batched_tokens",
+                   "kv_cache_bytes", "kv_cache_memory_fraction", "block_size")
+
+
+def settings_from_args(args: argparse.Namespace, extra_keys: Sequence[str] = ()) -> Settings:
+    overrides = {key: getattr(args, key, None) for key in (*MODEL_FLAG_KEYS, *extra_keys)}
+    return load_settings(getattr(args, "config", None), overrides=overrides)

@@ -1,0 +1,36 @@
+"""The `fairlane` command as installed: app's commands (serve, generate, tenants) and `fairlane bench ...`.
+
+The entry point lives here, in the top layer, because this is the one place that may import both app
+and the benchmarks: app never imports benchmarks, so `app.cli.main` takes the bench command as one
+more registrar instead of looking for it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from app.cli import SubcommandRegistrar
+from app.cli import main as app_main
+from benchmarks import bench_engine, bench_fairness, bench_preemption, bench_prefix, bench_quality, bench_stream
+from loadtest import bench_serve
+
+BENCH_COMMANDS: tuple[SubcommandRegistrar, ...] = (
+    bench_engine.add_command, bench_stream.add_command, bench_prefix.add_command, bench_fairness.add_command,
+    bench_preemption.add_command, bench_quality.add_command, bench_serve.add_command)
+
+
+def add_bench_command(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = subparsers.add_parser("bench", help="benchmarks that compare systems side by side")
+    bench_subparsers = parser.add_subparsers(dest="bench", required=True)
+    for add_command in BENCH_COMMANDS:
+        add_command(bench_subparsers)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return app_main(argv, extra_commands=(add_bench_command,))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,62 @@
+"""What the world outside may know of the scheduler: one frozen snapshot, taken after every step.
+
+`/stats`, `/metrics` and the dashboard read this and nothing else of the scheduler (vLLM's
+`SchedulerStats` plays the same part), so no reader depends on the scheduler's internals or sees
+them half-way through a step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+
+@dataclass(slots=True, frozen=True)
+class ClassLoad:
+    """Requests of one priority class, by state."""
+
+    running: int = 0
+    waiting: int = 0
+    swapped: int = 0
+
+
+@dataclass(slots=True, frozen=True)
+class BlockUse:
+    used: int
+    total: int
+
+    @property
+    def fraction(self) -> float:
+        return self.used / self.total if self.total else 0.0
+
+
+@dataclass(slots=True, frozen=True)
+class SchedulerSnapshot:
+    step: int  # how many steps were scheduled before it
+    by_class: Mapping[str, ClassLoad]  # class name -> its requests by state
+    queued_by_tenant: Mapping[str, Mapping[str, int]]  # class name -> tenant -> waiting requests
+    vtc: Mapping[str, Mapping[str, float]]  # class name -> tenant -> virtual token counter
+    kv_blocks: BlockUse  # device blocks held by requests (free blocks that still cache a prefix are free)
+    cpu_blocks: BlockUse  # the CPU swap pool
+    cached_blocks: int  # device blocks that hold a findable prefix
+    prefix_queried_tokens: int
+    prefix_hit_tokens: int
+    preemptions: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))  # by mode
+    blocks_swapped_out: int = 0
+    blocks_swapped_in: int = 0
+    bytes_per_block: int = 0
+    num_finished: int = 0
+    num_aborted: int = 0
+
+    @property
+    def running(self) -> int:
+        return sum(load.running for load in self.by_class.values())
+
+    @property
+    def waiting(self) -> int:
+        return sum(load.waiting for load in self.by_class.values())
+
+    @property
+    def swapped(self) -> int:
+        return sum(load.swapped for load in self.by_class.values())

@@ -1,0 +1,1 @@
+"""Tests of the in-process benchmarks and the executors without a model."""

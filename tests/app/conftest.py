@@ -23,6 +23,7 @@ from app.server import DrainingServer, uvicorn_config
 from benchmarks.fake_executors import InstantExecutor, instant_geometry
 from config.settings import Settings, load_settings
 from gpu.models import LoadedModel
+from gpu.plan import CacheGeometry, StepPlan, StepResult
 from gpu.tokenizer import ByteTokenizer, Tokenizer
 from scheduling.engine import Engine, RequestStream
 from scheduling.executor import Executor
@@ -162,3 +163,56 @@ def start_tiny_server(tiny_model: LoadedModel) -> Iterator[Callable[..., ServerT
     yield start
     for server in started:
         server.stop()
+
+
+class SteppedExecutor(InstantExecutor):
+    """The instant executor, running a step only once the test allows it: work lasts exactly as long
+    as the test holds it, whatever the machine's speed. A step held 60 s fails loudly."""
+
+    def __init__(self, geometry: CacheGeometry) -> None:
+        super().__init__(geometry)
+        self._changed = threading.Condition()
+        self._num_allowed = 0
+        self._is_open = False
+
+    @property
+    def num_allowed(self) -> int:
+        """Steps allowed that have not started yet."""
+        return self._num_allowed
+
+    def allow(self, num_steps: int) -> None:
+        with self._changed:
+            self._num_allowed += num_steps
+            self._changed.notify_all()
+
+    def open(self) -> None:
+        """Run every step from now on, without holding (so that a server can finish and stop)."""
+        with self._changed:
+            self._is_open = True
+            self._changed.notify_all()
+
+    def step_until(self, done: Callable[[], bool], what: str) -> None:
+        """Run steps one at a time until done() holds, so that the work stops within a step of it."""
+        def next_step_or_done() -> bool:
+            if self.num_allowed == 0:
+                self.allow(1)
+            return done()
+
+        wait_for(next_step_or_done, timeout=60, what=what)
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        with self._changed:
+            if not self._changed.wait_for(lambda: self._is_open or self._num_allowed > 0, timeout=60):
+                raise TimeoutError("the test never let this step run")
+            if not self._is_open:
+                self._num_allowed -= 1
+        return super().execute(plan)
+
+
+def stepped_server(tenants_file: Path | None = None, **overrides: Any) -> tuple[ServerThread, SteppedExecutor]:
+    """An instant server whose every step waits for the test; open the executor before stopping it."""
+    settings = load_settings(environ={}, overrides={**INSTANT_SETTINGS, "batch_db_path": fresh_db_path(),
+                                                    "tenants_file": str(tenants_file) if tenants_file else None,
+                                                    **overrides})
+    executor = SteppedExecutor(instant_geometry(settings, max_model_len=1024))
+    return ServerThread(_context(settings, executor, ByteTokenizer())).start(), executor

@@ -16,8 +16,8 @@ import openai
 import pytest
 
 from tenancy.tenants import hash_api_key
-from tests.app.conftest import ServerThread, instant_context, wait_for
-from tests.app.test_shutdown import ServedProcess, stepped_server
+from tests.app.conftest import ServerThread, instant_context, stepped_server, wait_for
+from tests.app.test_shutdown import ServedProcess
 
 KEYS = {"alice": "fl-alice-batch", "bob": "fl-bob-batch"}
 

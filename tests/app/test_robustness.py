@@ -16,12 +16,8 @@ import pytest
 
 from app.batch.runner import RetryLater
 from app.routes import OpenAIRoutes
-from benchmarks.fake_executors import InstantExecutor, instant_geometry
-from config.settings import load_settings
-from gpu.plan import CacheGeometry, StepPlan, StepResult
-from gpu.tokenizer import ByteTokenizer
 from tenancy.tenants import hash_api_key
-from tests.app.conftest import INSTANT_SETTINGS, ServerThread, _context, fresh_db_path, instant_context, wait_for
+from tests.app.conftest import ServerThread, instant_context, stepped_server, wait_for
 
 ADMIN_KEY = "fl-admin-key"
 KEYS = {"alice": "fl-alice-key", "bob": "fl-bob-key"}
@@ -45,26 +41,6 @@ def tenants_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("tenants") / "tenants.toml"
     path.write_text(TENANTS_TOML)
     return path
-
-
-class GatedExecutor(InstantExecutor):
-    """The instant executor, holding every step until `gate` is set."""
-
-    def __init__(self, geometry: CacheGeometry) -> None:
-        super().__init__(geometry)
-        self.gate = threading.Event()
-
-    def execute(self, plan: StepPlan) -> StepResult:
-        self.gate.wait(timeout=60)
-        return super().execute(plan)
-
-
-def gated_server(tenants_file: Path | None = None, **overrides: Any) -> tuple[ServerThread, GatedExecutor]:
-    settings = load_settings(environ={}, overrides={**INSTANT_SETTINGS, "batch_db_path": fresh_db_path(),
-                                                    "tenants_file": str(tenants_file) if tenants_file else None,
-                                                    **overrides})
-    executor = GatedExecutor(instant_geometry(settings, max_model_len=1024))
-    return ServerThread(_context(settings, executor, ByteTokenizer())).start(), executor
 
 
 def bearer(key: str) -> dict[str, str]:
@@ -142,7 +118,7 @@ def test_a_dead_engine_loop_fails_requests_loudly_and_stops_the_server() -> None
 
 
 async def test_one_tenants_flood_is_not_anothers_503(tenants_file: Path) -> None:
-    server, executor = gated_server(tenants_file, max_queued_requests=4)
+    server, executor = stepped_server(tenants_file, max_queued_requests=4)
     try:
         async with httpx.AsyncClient(base_url=server.base_url, timeout=30) as http:
             async def send(tenant: str) -> httpx.Response:
@@ -152,18 +128,18 @@ async def test_one_tenants_flood_is_not_anothers_503(tenants_file: Path) -> None
             await asyncio.to_thread(wait_for, lambda: server.engine.num_unfinished == 4, what="alice to fill it")
             light = [asyncio.create_task(send("bob")) for _ in range(2)]
             await asyncio.to_thread(wait_for, lambda: server.engine.num_unfinished == 6, what="bob's requests")
-            executor.gate.set()
+            executor.open()
             flooded = await asyncio.gather(*flood)
             served = await asyncio.gather(*light)
     finally:
-        executor.gate.set()
+        executor.open()
         server.stop()
     assert sorted(r.status_code for r in flooded) == [200, 200, 200, 200, 503, 503]  # alone, the server was full
     assert [r.status_code for r in served] == [200, 200]
 
 
 async def test_past_its_share_a_tenant_gets_429(tenants_file: Path) -> None:
-    server, executor = gated_server(tenants_file, max_queued_requests=4)
+    server, executor = stepped_server(tenants_file, max_queued_requests=4)
     try:
         async with httpx.AsyncClient(base_url=server.base_url, timeout=30) as http:
             async def send(tenant: str) -> httpx.Response:
@@ -172,17 +148,17 @@ async def test_past_its_share_a_tenant_gets_429(tenants_file: Path) -> None:
             first = [asyncio.create_task(send(t)) for t in ("bob", "alice", "alice", "alice")]
             await asyncio.to_thread(wait_for, lambda: server.engine.num_unfinished == 4, what="a full queue")
             over = await send("alice")
-            executor.gate.set()
+            executor.open()
             await asyncio.gather(*first)
     finally:
-        executor.gate.set()
+        executor.open()
         server.stop()
     assert over.status_code == 429 and over.json()["error"]["code"] == "queue_share_exceeded"
     assert over.headers["retry-after"] == "1"
 
 
 def test_shutdown_503s_carry_retry_after() -> None:
-    server, executor = gated_server(shutdown_grace_s=30)
+    server, executor = stepped_server(shutdown_grace_s=30)
     try:
         held = threading.Thread(target=httpx.post, args=(server.base_url + "/v1/completions",),
                                 kwargs={"json": completion(server), "timeout": 30})
@@ -192,10 +168,10 @@ def test_shutdown_503s_carry_retry_after() -> None:
         wait_for(lambda: server.context.is_draining, what="the drain to start")
         refused = httpx.post(server.base_url + "/v1/completions", json=completion(server), timeout=10)
         health = httpx.get(server.base_url + "/health", timeout=10)
-        executor.gate.set()
+        executor.open()
         held.join(timeout=30)
     finally:
-        executor.gate.set()
+        executor.open()
         server.stop()
     assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
     assert health.status_code == 503 and health.headers["retry-after"] == "1"

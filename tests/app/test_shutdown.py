@@ -8,76 +8,19 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from benchmarks.fake_executors import InstantExecutor, instant_geometry
-from config.settings import load_settings
-from gpu.plan import CacheGeometry, StepPlan, StepResult
-from gpu.tokenizer import ByteTokenizer
-from tests.app.conftest import INSTANT_SETTINGS, ServerThread, _context, fresh_db_path, wait_for
+from tests.app.conftest import stepped_server, wait_for
 from tests.app.sse import sse_frames, sse_payloads
 
 FAIRLANE = Path(sys.executable).with_name("fairlane")
 # uvicorn's start-up line: with --port 0 it names the port the server bound.
 STARTED_LINE = re.compile(r"Uvicorn running on (http://127\.0\.0\.1:\d+)")
-
-
-class SteppedExecutor(InstantExecutor):
-    """The instant executor, running a step only once the test allows it: work lasts exactly as long
-    as the test holds it, whatever the machine's speed. A step held 60 s fails loudly."""
-
-    def __init__(self, geometry: CacheGeometry) -> None:
-        super().__init__(geometry)
-        self._changed = threading.Condition()
-        self._num_allowed = 0
-        self._is_open = False
-
-    @property
-    def num_allowed(self) -> int:
-        """Steps allowed that have not started yet."""
-        return self._num_allowed
-
-    def allow(self, num_steps: int) -> None:
-        with self._changed:
-            self._num_allowed += num_steps
-            self._changed.notify_all()
-
-    def open(self) -> None:
-        """Run every step from now on, without holding (so that a server can finish and stop)."""
-        with self._changed:
-            self._is_open = True
-            self._changed.notify_all()
-
-    def step_until(self, done: Callable[[], bool], what: str) -> None:
-        """Run steps one at a time until done() holds, so that the work stops within a step of it."""
-        def next_step_or_done() -> bool:
-            if self.num_allowed == 0:
-                self.allow(1)
-            return done()
-
-        wait_for(next_step_or_done, timeout=60, what=what)
-
-    def execute(self, plan: StepPlan) -> StepResult:
-        with self._changed:
-            if not self._changed.wait_for(lambda: self._is_open or self._num_allowed > 0, timeout=60):
-                raise TimeoutError("the test never let this step run")
-            if not self._is_open:
-                self._num_allowed -= 1
-        return super().execute(plan)
-
-
-def stepped_server(tenants_file: Path | None = None, **overrides: Any) -> tuple[ServerThread, SteppedExecutor]:
-    """An instant server whose every step waits for the test; open the executor before stopping it."""
-    settings = load_settings(environ={}, overrides={**INSTANT_SETTINGS, "batch_db_path": fresh_db_path(),
-                                                    "tenants_file": str(tenants_file) if tenants_file else None,
-                                                    **overrides})
-    executor = SteppedExecutor(instant_geometry(settings, max_model_len=1024))
-    return ServerThread(_context(settings, executor, ByteTokenizer())).start(), executor
 
 
 def stream_body(model: str, max_tokens: int) -> dict[str, Any]:

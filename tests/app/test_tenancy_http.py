@@ -3,7 +3,6 @@ prefix-cache isolation between tenants, on a real server with a tenants file."""
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -12,12 +11,18 @@ import httpx
 import openai
 import pytest
 
-from benchmarks.fake_executors import InstantExecutor, instant_geometry
+from benchmarks.fake_executors import instant_geometry
 from config.settings import load_settings
-from gpu.plan import CacheGeometry, StepPlan, StepResult
 from gpu.tokenizer import ByteTokenizer
 from tenancy.tenants import hash_api_key
-from tests.app.conftest import INSTANT_SETTINGS, ServerThread, _context, fresh_db_path, instant_context
+from tests.app.conftest import (
+    INSTANT_SETTINGS,
+    ServerThread,
+    SteppedExecutor,
+    _context,
+    fresh_db_path,
+    instant_context,
+)
 
 KEYS = {"alice": "fl-alice-key", "bob": "fl-bob-key", "carol": "fl-carol-key", "dave": "fl-dave-key",
         "erin": "fl-erin-key"}
@@ -132,22 +137,10 @@ def test_prompt_over_the_tenant_limit_gets_400(server: ServerThread) -> None:
     assert "200" in response.json()["error"]["message"]
 
 
-class HeldExecutor(InstantExecutor):
-    """Steps wait until released: a request stays in flight for as long as a test needs."""
-
-    def __init__(self, geometry: CacheGeometry) -> None:
-        super().__init__(geometry)
-        self.release = threading.Event()
-
-    def execute(self, plan: StepPlan) -> StepResult:
-        self.release.wait(timeout=60)
-        return super().execute(plan)
-
-
 def test_requests_in_flight_over_the_limit_get_429(tenants_file: Path) -> None:
     settings = load_settings(environ={}, overrides={**INSTANT_SETTINGS, "tenants_file": str(tenants_file),
                                                     "batch_db_path": fresh_db_path()})
-    executor = HeldExecutor(instant_geometry(settings, max_model_len=1024))
+    executor = SteppedExecutor(instant_geometry(settings, max_model_len=1024))
     server = ServerThread(_context(settings, executor, ByteTokenizer())).start()
     headers = {"authorization": f"Bearer {KEYS['bob']}"}
     body = {"model": server.model_name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
@@ -159,11 +152,11 @@ def test_requests_in_flight_over_the_limit_get_429(tenants_file: Path) -> None:
                 chunks = first.iter_bytes()
                 next(chunks)  # the role chunk: admitted, and held in the engine
                 refused = client.post(f"{server.base_url}/v1/chat/completions", json=body, headers=headers)
-                executor.release.set()
+                executor.open()
                 assert b"[DONE]" in b"".join(chunks)
             after = client.post(f"{server.base_url}/v1/chat/completions", json=body, headers=headers)
     finally:
-        executor.release.set()
+        executor.open()
         server.stop()
     assert refused.status_code == 429
     assert refused.headers["x-ratelimit-limit-requests"] == "1"

@@ -29,7 +29,8 @@ from app.errors import APIError, api_error_handler, http_exception_handler, unex
 from app.flags import add_model_flags, settings_from_args
 from app.http_limits import BodyTimeoutMiddleware, header_timeout_protocol, uvicorn_limit_concurrency
 from app.observability import Observability
-from app.routes import CLIENT_CLOSED_STATUS, SHUTTING_DOWN, OpenAIRoutes
+from app.routes import CLIENT_CLOSED_STATUS, OpenAIRoutes
+from app.submission import SHUTTING_DOWN
 from app.tokenization import TokenizationRoutes
 from config.settings import Settings
 

@@ -1,0 +1,184 @@
+"""Starting a response's choices: build each choice's engine request, take the tenant's quota for
+all of them or none, submit the first choice of each prompt and defer the others (app/choices.py).
+Every refusal on the way is an APIError, and nothing stays taken after one."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, replace
+
+from app.admission import RATE_LIMIT_ERROR
+from app.choices import ChoiceSet, DeferredStream
+from app.context import ServingContext
+from app.errors import APIError
+from app.generation import GenerationFailed, TextGeneration, TokenStream
+from app.sampling import sampling_params
+from app.schemas import ChatCompletionBody, CompletionBody, GenerationBody
+from app.tools import ToolStream, uses_tools
+from scheduling.engine import EngineOverloaded, EngineStopped, RequestStream, TenantOverShare
+from scheduling.request import PriorityClass, RequestId
+from scheduling.request import Request as EngineRequest
+from scheduling.scheduler import AdmissionError
+from tenancy.tenants import Tenant
+
+RETRY_AFTER_S = "1"
+SHUTTING_DOWN = "The server is shutting down; retry on another replica or later."
+
+
+def shutting_down() -> APIError:
+    return APIError(503, SHUTTING_DOWN, code="server_shutting_down", headers={"retry-after": RETRY_AFTER_S})
+
+
+@dataclass(slots=True)
+class Generations:
+    """One response's choices, started, and what the reply needs besides them."""
+
+    choices: ChoiceSet
+    headers: dict[str, str]
+    prefixes: list[str]  # per choice: the echoed prompt of a completion, else ""
+    tool_streams: list[ToolStream] | None = None  # per choice, when a chat request uses tools
+
+
+
+class ChoiceStarter:
+    def __init__(self, context: ServingContext) -> None:
+        self.context = context
+
+    def start(self, completion_id: str, body: GenerationBody, prompts: list[list[int]], tenant: Tenant,
+               prompt_param: str, priority: PriorityClass) -> Generations:
+        """Build, admit and submit every choice's engine request; on any refusal nothing stays taken."""
+        if any(not prompt for prompt in prompts):
+            raise APIError(400, "The prompt is empty once tokenized.", param=prompt_param)
+        requests = self._engine_requests(completion_id, body, prompts, tenant, priority)
+        self.context.gate.check_class(tenant, priority)
+        headers = self._admit_all(tenant, requests)
+        choices = self._submit_all(requests, body, prompt_param)
+        tool_streams = [ToolStream(body) for _ in requests] \
+            if isinstance(body, ChatCompletionBody) and uses_tools(body) else None
+        return Generations(choices, headers, self._echoed_prefixes(body, prompts), tool_streams)
+
+    def _engine_requests(self, completion_id: str, body: GenerationBody, prompts: list[list[int]],
+                         tenant: Tenant, priority: PriorityClass) -> list[EngineRequest]:
+        sampling = sampling_params(body, self.context.tokenizer)
+        stop_token_ids = self._stop_token_ids(body)
+        if sampling.min_tokens:
+            sampling = replace(sampling, min_tokens_banned=tuple(sorted(stop_token_ids)))
+        salt = tenant.cache_salt_for(body.cache_salt)
+        per_prompt = body.num_generations
+        requests = []
+        for index in range(len(prompts) * per_prompt):
+            prompt = prompts[index // per_prompt]
+            request_id = completion_id if len(prompts) * per_prompt == 1 else f"{completion_id}-{index}"
+            # Like vLLM: the choices of a seeded request draw from seed, seed + 1, ... so they differ.
+            seeded = sampling if sampling.seed is None else replace(sampling, seed=sampling.seed + index % per_prompt)
+            requests.append(EngineRequest(RequestId(request_id), prompt, self._max_tokens(body, len(prompt)), seeded,
+                                          stop_token_ids=stop_token_ids, tenant_id=tenant.tenant_id,
+                                          priority=priority, cache_salt=salt))
+        return requests
+
+    def _stop_token_ids(self, body: GenerationBody) -> frozenset[int]:
+        requested = frozenset(body.stop_token_ids or ())
+        vocab_size = self.context.tokenizer.vocab_size
+        if any(token >= vocab_size for token in requested):
+            raise APIError(400, f"stop_token_ids must be below the vocabulary size {vocab_size}.",
+                           param="stop_token_ids", code="invalid_value")
+        return requested if body.ignore_eos else requested | self.context.tokenizer.eos_token_ids
+
+    def _admit_all(self, tenant: Tenant, requests: list[EngineRequest]) -> dict[str, str]:
+        """Take the tenant's quota for every choice, or for none."""
+        headers: dict[str, str] = {}
+        admitted: list[EngineRequest] = []
+        try:
+            for engine_request in requests:
+                headers = dict(self.context.gate.admit(tenant, engine_request).headers)
+                admitted.append(engine_request)
+        except APIError:
+            for engine_request in admitted:
+                self.context.gate.cancel(engine_request.request_id)
+            raise
+        return headers
+
+    def _submit_all(self, requests: list[EngineRequest], body: GenerationBody, prompt_param: str) -> ChoiceSet:
+        """Submit the first choice of each prompt now; the others wait for its first token (see
+        app/choices.py). If the engine refuses one now, the started ones are aborted, the rest released."""
+        per_prompt = body.num_generations
+        generations: list[TextGeneration] = []
+        try:
+            for index, engine_request in enumerate(requests):
+                stream: TokenStream
+                if index % per_prompt == 0:
+                    stream = self._submit(engine_request, body, prompt_param)
+                else:
+                    stream = self._deferred(engine_request, body, prompt_param, generations[index - index % per_prompt])
+                generations.append(TextGeneration(stream, self.context.tokenizer, body.stop_strings,
+                                                  coalesce=self.context.settings.stream_coalesce))
+        except APIError:
+            for generation in generations:
+                generation.close()
+            for engine_request in requests[len(generations) + 1:]:
+                self.context.gate.cancel(engine_request.request_id)
+            raise
+        return ChoiceSet(generations, list(range(0, len(requests), per_prompt)))
+
+    def _deferred(self, engine_request: EngineRequest, body: GenerationBody, prompt_param: str,
+                  first: TextGeneration) -> DeferredStream:
+        def submit(later: EngineRequest) -> RequestStream:
+            try:
+                return self._submit(later, body, prompt_param)
+            except APIError as exc:
+                raise GenerationFailed(exc.message, exc.status) from None
+
+        # Without a prefix cache there is nothing to wait for: the prompt is computed again anyway.
+        after = first.started if self.context.settings.enable_prefix_caching else _already_set()
+        return DeferredStream(engine_request, submit, after,
+                              lambda: self.context.gate.cancel(engine_request.request_id))
+
+    def _echoed_prefixes(self, body: GenerationBody, prompts: list[list[int]]) -> list[str]:
+        per_prompt = body.num_generations
+        if not (isinstance(body, CompletionBody) and body.echo):
+            return [""] * (len(prompts) * per_prompt)
+        texts = [p if isinstance(p, str) else self.context.tokenizer.decode(p) for p in body.prompts]
+        return [texts[index // per_prompt] for index in range(len(prompts) * per_prompt)]
+
+    def _max_tokens(self, body: GenerationBody, num_prompt_tokens: int) -> int:
+        """The request's own if it gives one; else the rest of the context, capped at
+        settings.default_max_tokens. A request that does not fit is refused by the engine's
+        admission check, with the numbers."""
+        if body.requested_max_tokens is not None:
+            return body.requested_max_tokens
+        room = self.context.geometry.max_model_len - num_prompt_tokens
+        return max(1, min(self.context.settings.default_max_tokens, room))
+
+    def _submit(self, engine_request: EngineRequest, body: GenerationBody, prompt_param: str) -> RequestStream:
+        """Hand the request to the engine; if it refuses, the quota taken at the gate goes back."""
+        try:
+            return self._submit_or_explain(engine_request, body, prompt_param)
+        except APIError:
+            self.context.gate.cancel(engine_request.request_id)
+            raise
+
+    def _submit_or_explain(self, engine_request: EngineRequest, body: GenerationBody, prompt_param: str
+                           ) -> RequestStream:
+        try:
+            return self.context.engine.submit(engine_request)
+        except AdmissionError as exc:
+            param = "max_tokens" if body.requested_max_tokens is not None else prompt_param
+            raise APIError(400, str(exc), param=param, code="context_length_exceeded") from None
+        except TenantOverShare as exc:
+            raise APIError(429, f"Too many requests from this API key while the server is full ({exc}); "
+                                "retry shortly.", type=RATE_LIMIT_ERROR, code="queue_share_exceeded",
+                           headers={"retry-after": RETRY_AFTER_S}) from None
+        except EngineOverloaded as exc:
+            raise APIError(503, f"The server is overloaded ({exc}); retry shortly.", code="server_overloaded",
+                           headers={"retry-after": RETRY_AFTER_S}) from None
+        except EngineStopped as exc:
+            if self.context.engine.failure is not None:
+                raise APIError(503, f"The server cannot serve requests: {exc}.", code="engine_failed",
+                               headers={"retry-after": RETRY_AFTER_S}) from None
+            raise shutting_down() from None
+
+
+def _already_set() -> asyncio.Event:
+    event = asyncio.Event()
+    event.set()
+    return event

@@ -89,10 +89,11 @@ def build_instant_engine(settings: Settings, max_model_len: int = 4096) -> tuple
     return Engine(scheduler, executor, max_queued_requests=settings.max_queued_requests), ByteTokenizer()
 
 
-def serve_instant(port: int, coalesce: bool) -> None:
-    """Run the real app on an instant engine until SIGTERM (this is the server process)."""
+def serve_instant(listener_fd: int, coalesce: bool) -> None:
+    """Run the real app on an instant engine until SIGTERM (this is the server process), on the
+    listening socket the parent bound and handed down."""
     settings = load_settings(environ={}, overrides={
-        "model": MODEL_NAME, "port": port, "max_num_seqs": 1024, "max_num_batched_tokens": 8192,
+        "model": MODEL_NAME, "port": 0, "max_num_seqs": 1024, "max_num_batched_tokens": 8192,
         "max_queued_requests": 4096, "kv_cache_bytes": 256 * MiB, "shutdown_grace_s": 1.0,
         "stream_coalesce": coalesce})
     engine, tokenizer = build_instant_engine(settings)
@@ -101,22 +102,21 @@ def serve_instant(port: int, coalesce: bool) -> None:
     # While a level warms up, streams that finished first leave their connections idle until the
     # slowest one ends; past uvicorn's 5 s default the server would close them under the client.
     config.timeout_keep_alive = 120
-    DrainingServer(config, context).run()
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
+    DrainingServer(config, context).run(sockets=[socket.socket(fileno=listener_fd)])
 
 
 @contextmanager
 def server_process(coalesce: bool) -> Iterator[tuple[str, psutil.Process]]:
-    port = _free_port()
-    command = [sys.executable, "-m", "benchmarks.bench_stream", "--serve-port", str(port),
-               "--serve-coalesce", "on" if coalesce else "off"]
-    process = subprocess.Popen(command, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    # The socket is bound and listening here, then handed to the server process: no other process
+    # can take the port between choosing it and serving on it.
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(2048)
+        port = listener.getsockname()[1]
+        command = [sys.executable, "-m", "benchmarks.bench_stream", "--serve-fd", str(listener.fileno()),
+                   "--serve-coalesce", "on" if coalesce else "off"]
+        process = subprocess.Popen(command, pass_fds=(listener.fileno(),),
+                                   env={**os.environ, "PYTHONUNBUFFERED": "1"})
     base_url = f"http://127.0.0.1:{port}"
     try:
         _wait_until_ready(base_url, process)
@@ -270,10 +270,10 @@ def run_command(args: argparse.Namespace) -> int:
 
 def _serve_main(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(description="the bench server process (started by `fairlane bench stream`)")
-    parser.add_argument("--serve-port", type=int, required=True)
+    parser.add_argument("--serve-fd", type=int, required=True, help="a listening socket inherited from the parent")
     parser.add_argument("--serve-coalesce", choices=["on", "off"], required=True)
     args = parser.parse_args(argv)
-    serve_instant(args.serve_port, args.serve_coalesce == "on")
+    serve_instant(args.serve_fd, args.serve_coalesce == "on")
     return 0
 
 

@@ -25,25 +25,29 @@ class ClientGone(Exception):
 
 
 async def read_body(request: Request, max_bytes: int) -> bytes:
-    """The whole body, refused with 413 as soon as it is known to exceed max_bytes: from its
-    Content-Length if it declares one, else while it streams in (chunked uploads declare none)."""
+    """The whole body (see `bounded_body`)."""
+    return b"".join([chunk async for chunk in bounded_body(request, max_bytes)])
+
+
+async def bounded_body(request: Request, max_bytes: int) -> AsyncGenerator[bytes, None]:
+    """The body's pieces, refused with 413 as soon as it is known to exceed max_bytes: from its
+    Content-Length if it declares one, else while it streams in (chunked uploads declare none).
+    A client that leaves mid-body raises ClientGone."""
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > max_bytes:
-        raise _too_large(max_bytes)
-    chunks: list[bytes] = []
+        raise too_large(max_bytes)
     size = 0
     try:
         async for chunk in request.stream():
             size += len(chunk)
             if size > max_bytes:
-                raise _too_large(max_bytes)
-            chunks.append(chunk)
+                raise too_large(max_bytes)
+            yield chunk
     except ClientDisconnect:
         raise ClientGone from None
-    return b"".join(chunks)
 
 
-def _too_large(max_bytes: int) -> APIError:
+def too_large(max_bytes: int) -> APIError:
     return APIError(413, f"The request body is larger than the limit of {max_bytes} bytes.")
 
 

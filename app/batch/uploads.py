@@ -5,14 +5,14 @@ full answers 507 in OpenAI's error shape, not a bare 500.
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 
 from starlette.datastructures import FormData
 from starlette.formparsers import MultiPartException, MultiPartParser
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 
-from app.asgi import ClientGone
+from app.asgi import bounded_body
 from app.batch.database import StorageFull, is_disk_full
 from app.errors import APIError
 
@@ -23,32 +23,13 @@ async def parse_upload_form(request: Request, max_bytes: int) -> FormData:
     """The multipart form, its file spooled to disk past 1 MiB; 413 as soon as the body passes max_bytes."""
     if not request.headers.get("content-type", "").startswith("multipart/form-data"):
         raise APIError(400, "Upload files as multipart/form-data with 'file' and 'purpose' parts.")
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > max_bytes:
-        raise _too_large(max_bytes)
-    parser = MultiPartParser(request.headers, _bounded_body(request, max_bytes), max_files=1, max_fields=8,
+    parser = MultiPartParser(request.headers, bounded_body(request, max_bytes), max_files=1, max_fields=8,
                              max_part_size=MAX_FIELD_BYTES)
     try:
         with storage_errors("the upload"):
             return await parser.parse()
     except MultiPartException as exc:
         raise APIError(400, f"Malformed multipart form: {exc.message}") from None
-
-
-async def _bounded_body(request: Request, max_bytes: int) -> AsyncGenerator[bytes, None]:
-    size = 0
-    try:
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > max_bytes:
-                raise _too_large(max_bytes)
-            yield chunk
-    except ClientDisconnect:
-        raise ClientGone from None
-
-
-def _too_large(max_bytes: int) -> APIError:
-    return APIError(413, f"The request body is larger than the limit of {max_bytes} bytes.")
 
 
 @contextmanager

@@ -51,6 +51,10 @@ def completion(server: ServerThread, **fields: Any) -> dict[str, Any]:
     return {"model": server.model_name, "prompt": "hi", "max_tokens": 2, **fields}
 
 
+async def post_as(http: httpx.AsyncClient, server: ServerThread, tenant: str) -> httpx.Response:
+    return await http.post("/v1/completions", json=completion(server), headers=bearer(KEYS[tenant]))
+
+
 @pytest.fixture(scope="module")
 def guarded_server(tenants_file: Path) -> Iterator[ServerThread]:
     server = ServerThread(instant_context(tenants_file=str(tenants_file))).start()
@@ -121,12 +125,9 @@ async def test_one_tenants_flood_is_not_anothers_503(tenants_file: Path) -> None
     server, executor = stepped_server(tenants_file, max_queued_requests=4)
     try:
         async with httpx.AsyncClient(base_url=server.base_url, timeout=30) as http:
-            async def send(tenant: str) -> httpx.Response:
-                return await http.post("/v1/completions", json=completion(server), headers=bearer(KEYS[tenant]))
-
-            flood = [asyncio.create_task(send("alice")) for _ in range(6)]
+            flood = [asyncio.create_task(post_as(http, server, "alice")) for _ in range(6)]
             await asyncio.to_thread(wait_for, lambda: server.engine.num_unfinished == 4, what="alice to fill it")
-            light = [asyncio.create_task(send("bob")) for _ in range(2)]
+            light = [asyncio.create_task(post_as(http, server, "bob")) for _ in range(2)]
             await asyncio.to_thread(wait_for, lambda: server.engine.num_unfinished == 6, what="bob's requests")
             executor.open()
             flooded = await asyncio.gather(*flood)
@@ -142,12 +143,9 @@ async def test_past_its_share_a_tenant_gets_429(tenants_file: Path) -> None:
     server, executor = stepped_server(tenants_file, max_queued_requests=4)
     try:
         async with httpx.AsyncClient(base_url=server.base_url, timeout=30) as http:
-            async def send(tenant: str) -> httpx.Response:
-                return await http.post("/v1/completions", json=completion(server), headers=bearer(KEYS[tenant]))
-
-            first = [asyncio.create_task(send(t)) for t in ("bob", "alice", "alice", "alice")]
+            first = [asyncio.create_task(post_as(http, server, t)) for t in ("bob", "alice", "alice", "alice")]
             await asyncio.to_thread(wait_for, lambda: server.engine.num_unfinished == 4, what="a full queue")
-            over = await send("alice")
+            over = await post_as(http, server, "alice")
             executor.open()
             await asyncio.gather(*first)
     finally:

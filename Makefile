@@ -1,12 +1,13 @@
 # Two entry points: `make serve` (the server on the default model) and `make test` (the whole suite).
 # Both create .venv and install what they need; torch is pinned first so pip takes the local build.
-# The dashboard tests drive the system's chromium (Debian's package) through playwright.
+# The dashboard tests drive the system's chromium (Debian's package) through playwright, and the
+# Prometheus test runs Debian's prometheus.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
 
-.PHONY: install serve test lint bench browser
+.PHONY: install serve test lint bench browser prometheus
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -31,7 +32,11 @@ lint: install
 browser:
 	command -v chromium >/dev/null || (apt-get update -q && apt-get install -y -q chromium)
 
-test: lint browser
+# The dashboard queries are tested against Debian's prometheus, scraping a real server.
+prometheus:
+	command -v prometheus >/dev/null || (apt-get update -q && apt-get install -y -q --no-install-recommends prometheus)
+
+test: lint browser prometheus
 	$(BIN)/pytest -q
 
 bench: install

@@ -7,6 +7,7 @@ from gpu.models import LoadedModel, load_model
 from gpu.runner import ModelRunner, RunnerBudget
 from scheduling.engine import Engine
 from scheduling.scheduler import Scheduler, SchedulerConfig
+from scheduling.step_shaper import ShapingConfig
 from tenancy.tenants import TenantRegistry, load_tenants
 from tenancy.vtc import ServiceWeights
 
@@ -32,7 +33,15 @@ def scheduler_config_of(settings: Settings) -> SchedulerConfig:
                            preemption_mode=settings.preemption_mode,
                            batch_min_share=settings.batch_min_share,
                            service_weights=weights,
-                           enable_prefix_caching=settings.enable_prefix_caching)
+                           enable_prefix_caching=settings.enable_prefix_caching,
+                           shaping=shaping_config_of(settings))
+
+
+def shaping_config_of(settings: Settings) -> ShapingConfig:
+    target_ms = settings.interactive_itl_target_ms
+    return ShapingConfig(enabled=settings.step_shaping,
+                         interactive_itl_target_s=None if target_ms is None else target_ms / 1000,
+                         interactive_itl_slack=settings.interactive_itl_slack)
 
 
 def tenants_of(settings: Settings) -> TenantRegistry:

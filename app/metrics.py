@@ -1,20 +1,25 @@
 """Prometheus metrics on a registry of the app's own, so several apps can live in one process.
 
 Each kind of number is kept where it costs least:
-- latency histograms, fed by an engine observer as token events go out (the only cost on the
-  engine's task: a few histogram observations and dict increments per event);
-- token and rejection counts, plain counters exported at scrape time;
+- per-request histograms (latencies, phase times, token counts), fed by an engine observer as token
+  events go out (the only cost on the engine's task: a few histogram observations and dict
+  increments per event);
+- token, finish and rejection counts, plain counters exported at scrape time;
 - engine state (queues, KV and swap use, VTC counters, prefix cache, preemptions, swap traffic),
-  read from the scheduler only when Prometheus scrapes, so serving pays nothing for it.
+  read from the scheduler's snapshot only when Prometheus scrapes, so serving pays nothing for it.
 
-Names carry the `fairlane:` prefix and, where vLLM has the same metric, vLLM's name after it.
-Label values are bounded: a tenant label is a tenant of the registry or "unknown".
+Names carry the `fairlane:` prefix; with `metrics_names = "vllm"` every family is served again under
+`vllm:`. Each metric that vLLM's published Grafana dashboard queries exists here with vLLM's name,
+meaning and buckets (request-time histograms add finer buckets below vLLM's first), split by
+tenant and class where vLLM has one series. Every series carries `model_name`, as in vLLM. Label
+values are bounded: a tenant label is a tenant of the registry or "unknown".
 """
 
 from __future__ import annotations
 
+import math
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
@@ -22,27 +27,32 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from app.metric_names import (
+    ITL_BUCKETS,
+    PREFIX,
+    REQUEST_BUCKETS,
+    TPOT_BUCKETS,
+    TTFT_BUCKETS,
+    MetricsOptions,
+    WithAliases,
+    token_count_buckets,
+)
 from app.request_log import log_finished
 from scheduling.request import Request, TokenEvent
 from scheduling.scheduler import CLASSES
 from scheduling.snapshot import SchedulerSnapshot
 from tenancy.tenants import TenantRegistry
 
-PREFIX = "fairlane:"
 UNKNOWN_TENANT = "unknown"
 CLASS_NAMES = tuple(c.value for c in CLASSES)
+FINISH_REASONS = ("stop", "length", "abort", "error")  # the finished_reason values of request_success_total
+# The Batch API's statuses, as OpenAI names them: the status label values of batch_jobs.
+BATCH_STATUSES = ("validating", "failed", "in_progress", "finalizing", "completed", "expired", "cancelling",
+                  "cancelled")
 
 # Why the HTTP layer turned a request away; the label values of requests_rejected_total.
 RejectionReason = Literal["unauthorized", "invalid_request", "rate_limit", "queue_full", "shutting_down"]
 REJECTION_REASONS: tuple[RejectionReason, ...] = get_args(RejectionReason)
-
-# vLLM's buckets, with finer ones at the low end for inter-token latency on an accelerator.
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                20.0, 40.0, 80.0, 160.0, 640.0)
-ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
-               5.0, 10.0, 20.0, 80.0)
-REQUEST_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
-                   60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 
 
 class TenantLabels:
@@ -67,38 +77,66 @@ class RequestCounts:
     prompt_tokens: Counter[str] = field(default_factory=Counter)  # by tenant label
     generation_tokens: Counter[str] = field(default_factory=Counter)  # by tenant label
     rejected: Counter[tuple[str, str]] = field(default_factory=Counter)  # by (reason, tenant label)
+    finished: Counter[tuple[str, str, str]] = field(default_factory=Counter)  # by (reason, tenant label, class)
+    # Batches by (tenant label, status) as the store last said; None on an app without a Batch API.
+    batch_jobs: Counter[tuple[str, str]] | None = None
 
 
 @dataclass(slots=True, frozen=True)
-class _LatencySeries:
+class _RequestSeries:
     """The histogram children of one (tenant, class), looked up once instead of per token."""
 
     ttft: Histogram
     itl: Histogram
+    tpot: Histogram
     e2e: Histogram
     queue: Histogram
+    prefill: Histogram
+    decode: Histogram
+    inference: Histogram
+    prompt_tokens: Histogram
+    generation_tokens: Histogram
+    max_generation_tokens: Histogram
 
 
-class LatencyHistograms:
-    def __init__(self, registry: CollectorRegistry) -> None:
-        labels = ("tenant", "class")
-        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Time from arrival to the first token.",
-                              labels, registry=registry, buckets=TTFT_BUCKETS)
-        self.itl = Histogram(PREFIX + "inter_token_latency_seconds", "Time between two tokens of a request.",
-                             labels, registry=registry, buckets=ITL_BUCKETS)
-        self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "Time from arrival to the end of a request.",
-                             labels, registry=registry, buckets=REQUEST_BUCKETS)
-        self.queue = Histogram(PREFIX + "request_queue_time_seconds",
-                               "Time from arrival to first being scheduled.", labels, registry=registry,
-                               buckets=REQUEST_BUCKETS)
-        self._series: dict[tuple[str, str], _LatencySeries] = {}
+# Each histogram of a request: (its _RequestSeries field, name, help, buckets; None for token counts).
+_HISTOGRAMS: tuple[tuple[str, str, str, tuple[float, ...] | None], ...] = (
+    ("ttft", "time_to_first_token_seconds", "Time from arrival to the first token.", TTFT_BUCKETS),
+    ("itl", "inter_token_latency_seconds", "Time between two tokens of a request.", ITL_BUCKETS),
+    # vLLM's time_per_output_token_seconds: one observation per token after the first, as for itl.
+    ("tpot", "time_per_output_token_seconds", "Time between two tokens of a request, on vLLM's buckets.",
+     TPOT_BUCKETS),
+    ("e2e", "e2e_request_latency_seconds", "Time from arrival to the end of a request.", REQUEST_BUCKETS),
+    ("queue", "request_queue_time_seconds", "Time from arrival to first being scheduled.", REQUEST_BUCKETS),
+    ("prefill", "request_prefill_time_seconds", "Time from first being scheduled to the first token.",
+     REQUEST_BUCKETS),
+    ("decode", "request_decode_time_seconds", "Time from the first token to the last.", REQUEST_BUCKETS),
+    ("inference", "request_inference_time_seconds", "Time from first being scheduled to the last token.",
+     REQUEST_BUCKETS),
+    ("prompt_tokens", "request_prompt_tokens", "Prompt tokens of each finished request.", None),
+    ("generation_tokens", "request_generation_tokens", "Tokens generated by each finished request.", None),
+    ("max_generation_tokens", "request_max_num_generation_tokens",
+     "Most tokens generated by one sequence of a finished request (a request is one sequence here).", None),
+)
 
-    def series(self, tenant: str, class_name: str) -> _LatencySeries:
+
+class RequestHistograms:
+    """Every per-request histogram, by (model_name, tenant, class)."""
+
+    def __init__(self, registry: CollectorRegistry, options: MetricsOptions) -> None:
+        self._model_name = options.model_name
+        token_buckets = token_count_buckets(options.max_model_len)
+        self._families = {field_name: Histogram(PREFIX + name, what, ("model_name", "tenant", "class"),
+                                                registry=registry, buckets=buckets or token_buckets)
+                          for field_name, name, what, buckets in _HISTOGRAMS}
+        self._series: dict[tuple[str, str], _RequestSeries] = {}
+
+    def series(self, tenant: str, class_name: str) -> _RequestSeries:
         key = (tenant, class_name)
         found = self._series.get(key)
         if found is None:
-            found = _LatencySeries(self.ttft.labels(*key), self.itl.labels(*key), self.e2e.labels(*key),
-                                   self.queue.labels(*key))
+            found = _RequestSeries(**{field_name: family.labels(self._model_name, tenant, class_name)
+                                      for field_name, family in self._families.items()})
             self._series[key] = found
         return found
 
@@ -106,7 +144,7 @@ class LatencyHistograms:
 class RequestObserver:
     """An EngineObserver: latencies and token counts per tenant and class, and the request log line."""
 
-    def __init__(self, histograms: LatencyHistograms, labels: TenantLabels, counts: RequestCounts) -> None:
+    def __init__(self, histograms: RequestHistograms, labels: TenantLabels, counts: RequestCounts) -> None:
         self._histograms = histograms
         self._labels = labels
         self._counts = counts
@@ -122,15 +160,34 @@ class RequestObserver:
             self._counts.prompt_tokens[tenant] += request.num_prompt_tokens
         else:
             series.itl.observe(now - last)
+            series.tpot.observe(now - last)
         self._last_token_time[request.request_id] = now
 
     def on_finished(self, request: Request, event: TokenEvent, now: float) -> None:
-        self._last_token_time.pop(request.request_id, None)
-        series = self._histograms.series(self._labels(request.tenant_id), request.priority.value)
+        last_token_time = self._last_token_time.pop(request.request_id, None)
+        tenant, class_name = self._labels(request.tenant_id), request.priority.value
+        series = self._histograms.series(tenant, class_name)
         series.e2e.observe(now - request.arrival_time)
-        if request.first_scheduled_time is not None:
-            series.queue.observe(request.first_scheduled_time - request.arrival_time)
+        series.prompt_tokens.observe(event.num_prompt_tokens)
+        series.generation_tokens.observe(event.num_output_tokens)
+        series.max_generation_tokens.observe(event.num_output_tokens)
+        self._counts.finished[(event.finish_reason or "error", tenant, class_name)] += 1  # set: the event is final
+        _observe_phases(series, request, last_token_time)
         log_finished(request, event, now)
+
+
+def _observe_phases(series: _RequestSeries, request: Request, last_token_time: float | None) -> None:
+    """vLLM's phases: queued until first scheduled, prefill until the first token, decode until the
+    last. A phase the request never reached is not observed."""
+    scheduled, first_token = request.first_scheduled_time, request.first_token_time
+    if scheduled is None:
+        return
+    series.queue.observe(scheduled - request.arrival_time)
+    if first_token is None or last_token_time is None:
+        return
+    series.prefill.observe(first_token - scheduled)
+    series.decode.observe(last_token_time - first_token)
+    series.inference.observe(last_token_time - scheduled)
 
 
 # ---- engine state, read at scrape time (and by the dashboard) ----------------------------------
@@ -158,84 +215,159 @@ def queued_by_tenant(snapshot: SchedulerSnapshot, labels: TenantLabels) -> dict[
     return queued
 
 
+class _Families:
+    """Makes metric families whose every series starts with the model_name label."""
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+
+    def gauge(self, name: str, what: str, *labels: str) -> _Family:
+        return _Family(GaugeMetricFamily(PREFIX + name, what, labels=["model_name", *labels]), self.model_name)
+
+    def counter(self, name: str, what: str, *labels: str) -> _Family:
+        return _Family(CounterMetricFamily(PREFIX + name, what, labels=["model_name", *labels]), self.model_name)
+
+
+@dataclass(slots=True)
+class _Family:
+    metric: GaugeMetricFamily | CounterMetricFamily
+    model_name: str
+
+    def add(self, value: float, *label_values: str) -> _Family:
+        self.metric.add_metric([self.model_name, *label_values], value)
+        return self
+
+
+def _or_nan(value: float | None) -> float:
+    return math.nan if value is None else value
+
+
 class EngineCollector(Collector):
     """Gauges and counters computed from the scheduler's snapshot and the plain counters when scraped."""
 
-    def __init__(self, snapshot: Callable[[], SchedulerSnapshot], labels: TenantLabels, counts: RequestCounts
-                 ) -> None:
+    def __init__(self, snapshot: Callable[[], SchedulerSnapshot], labels: TenantLabels, counts: RequestCounts,
+                 model_name: str) -> None:
         self._snapshot = snapshot
         self._labels = labels
         self._counts = counts
+        self._families = _Families(model_name)
 
     def collect(self) -> Iterator[Metric]:
-        yield from self._requests()
-        yield from self._memory()
-        yield from self._scheduler_counters()
-        yield from self._request_counters()
+        snapshot = self._snapshot()
+        for family in (*self._requests(snapshot), *self._memory(snapshot), *self._scheduler_counters(snapshot),
+                       *self._step_cost(snapshot), *self._request_counters(), *self._batch_jobs()):
+            yield family.metric
 
-    def _requests(self) -> Iterator[Metric]:
-        by_class = requests_by_class(self._snapshot())
+    def _requests(self, snapshot: SchedulerSnapshot) -> Iterator[_Family]:
+        by_class = requests_by_class(snapshot)
         for state, what in (("running", "running"), ("waiting", "waiting to be scheduled"),
                             ("swapped", "preempted, their KV in the CPU swap pool")):
-            gauge = GaugeMetricFamily(PREFIX + f"num_requests_{state}", f"Requests {what}.", labels=["class"])
+            gauge = self._families.gauge(f"num_requests_{state}", f"Requests {what}.", "class")
             for class_name, counts in by_class.items():
-                gauge.add_metric([class_name], counts[state])
+                gauge.add(counts[state], class_name)
             yield gauge
-        vtc = GaugeMetricFamily(PREFIX + "tenant_vtc_counter", "Virtual token counter of each tenant and class.",
-                                labels=["tenant", "class"])
-        for class_name, counters in vtc_counters(self._snapshot(), self._labels).items():
+        waiting = self._families.gauge("tenant_requests_waiting", "Requests waiting, by tenant and class.",
+                                       "tenant", "class")
+        for class_name, by_tenant in queued_by_tenant(snapshot, self._labels).items():
+            for tenant, count in by_tenant.items():
+                waiting.add(count, tenant, class_name)
+        yield waiting
+        vtc = self._families.gauge("tenant_vtc_counter", "Virtual token counter of each tenant and class.",
+                                   "tenant", "class")
+        for class_name, counters in vtc_counters(snapshot, self._labels).items():
             for tenant, value in counters.items():
-                vtc.add_metric([tenant, class_name], value)
+                vtc.add(value, tenant, class_name)
         yield vtc
 
-    def _memory(self) -> Iterator[Metric]:
-        snapshot = self._snapshot()
-        yield GaugeMetricFamily(PREFIX + "kv_cache_usage_perc", "Share of device KV blocks in use, 0 to 1.",
-                                value=snapshot.kv_blocks.fraction)
-        yield GaugeMetricFamily(PREFIX + "cpu_swap_usage_perc", "Share of CPU swap-pool blocks in use, 0 to 1.",
-                                value=snapshot.cpu_blocks.fraction)
+    def _memory(self, snapshot: SchedulerSnapshot) -> Iterator[_Family]:
+        kv, cpu = snapshot.kv_blocks.fraction, snapshot.cpu_blocks.fraction
+        gauge = self._families.gauge
+        yield gauge("kv_cache_usage_perc", "Share of device KV blocks in use, 0 to 1.").add(kv)
+        yield gauge("cpu_swap_usage_perc", "Share of CPU swap-pool blocks in use, 0 to 1.").add(cpu)
+        # vLLM's older names of the two, which its published dashboard still queries.
+        yield gauge("gpu_cache_usage_perc", "Share of device KV blocks in use, 0 to 1 (vLLM's older name).").add(kv)
+        yield gauge("cpu_cache_usage_perc", "Share of CPU swap-pool blocks in use, 0 to 1 (vLLM's older name)."
+                    ).add(cpu)
 
-    def _scheduler_counters(self) -> Iterator[Metric]:
-        snapshot = self._snapshot()
-        yield CounterMetricFamily(PREFIX + "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-                                  value=snapshot.prefix_queried_tokens)
-        yield CounterMetricFamily(PREFIX + "prefix_cache_hits", "Prompt tokens found in the prefix cache.",
-                                  value=snapshot.prefix_hit_tokens)
-        preemptions = CounterMetricFamily(PREFIX + "num_preemptions", "Requests preempted, by mode.",
-                                          labels=["mode"])
+    def _scheduler_counters(self, snapshot: SchedulerSnapshot) -> Iterator[_Family]:
+        counter = self._families.counter
+        yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
+                      ).add(snapshot.prefix_queried_tokens)
+        yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.").add(snapshot.prefix_hit_tokens)
+        preemptions = counter("num_preemptions", "Requests preempted, by mode.", "mode")
         for mode, count in snapshot.preemptions.items():
-            preemptions.add_metric([mode], count)
+            preemptions.add(count, mode)
         yield preemptions
-        swap = CounterMetricFamily(PREFIX + "swap_bytes", "KV bytes copied between device and CPU pools.",
-                                   labels=["direction"])
-        swap.add_metric(["out"], snapshot.blocks_swapped_out * snapshot.bytes_per_block)
-        swap.add_metric(["in"], snapshot.blocks_swapped_in * snapshot.bytes_per_block)
-        yield swap
+        swap = counter("swap_bytes", "KV bytes copied between device and CPU pools.", "direction")
+        swap.add(snapshot.blocks_swapped_out * snapshot.bytes_per_block, "out")
+        yield swap.add(snapshot.blocks_swapped_in * snapshot.bytes_per_block, "in")
 
-    def _request_counters(self) -> Iterator[Metric]:
+    def _step_cost(self, snapshot: SchedulerSnapshot) -> Iterator[_Family]:
+        """The step cost model and step shaping (scheduling/step_shaper.py); NaN before the model is fitted."""
+        cost, gauge, counter = snapshot.step_cost, self._families.gauge, self._families.counter
+        yield gauge("step_time_predicted_seconds", "The last step's time as the cost model predicted it."
+                    ).add(_or_nan(cost.predicted_s))
+        yield gauge("step_time_measured_seconds", "The last step's measured time, schedule to events.").add(
+            _or_nan(cost.measured_s))
+        yield gauge("step_cost_model_error", "Median |predicted - measured| / measured over recent steps."
+                    ).add(_or_nan(cost.median_error))
+        yield counter("shaped_steps", "Steps whose batch work was held to the interactive latency target."
+                      ).add(cost.shaped_steps)
+        yield counter("batch_tokens_deferred", "Batch tokens that fit a step's token budget but not its time."
+                      ).add(cost.batch_tokens_deferred)
+
+    def _request_counters(self) -> Iterator[_Family]:
         counts = self._counts
         for name, counter, what in (("prompt_tokens", counts.prompt_tokens, "Prompt tokens prefilled."),
                                     ("generation_tokens", counts.generation_tokens, "Tokens generated.")):
-            family = CounterMetricFamily(PREFIX + name, what, labels=["tenant"])
+            family = self._families.counter(name, what, "tenant")
             for tenant in self._labels.present(counter):
-                family.add_metric([tenant], counter[tenant])
+                family.add(counter[tenant], tenant)
             yield family
-        rejected = CounterMetricFamily(PREFIX + "requests_rejected", "Requests turned away, by reason and tenant.",
-                                       labels=["reason", "tenant"])
+        rejected = self._families.counter("requests_rejected", "Requests turned away, by reason and tenant.",
+                                          "reason", "tenant")
         for (reason, tenant), value in sorted(counts.rejected.items()):
-            rejected.add_metric([reason, tenant], value)
+            rejected.add(value, reason, tenant)
         yield rejected
+        yield self._finished()
+
+    def _finished(self) -> _Family:
+        """Every known tenant and class at every finish reason, zeros included, so that rate() sees
+        a series' first increase (vLLM also creates each finish reason's series up front)."""
+        finished = self._counts.finished
+        family = self._families.counter("request_success", "Requests finished, by finish reason, tenant and class.",
+                                        "finished_reason", "tenant", "class")
+        tenants = self._labels.present(Counter(tenant for _, tenant, _ in finished))  # keys, not counts
+        for reason in FINISH_REASONS:
+            for tenant in tenants:
+                for class_name in CLASS_NAMES:
+                    family.add(finished[(reason, tenant, class_name)], reason, tenant, class_name)
+        return family
+
+    def _batch_jobs(self) -> Iterator[_Family]:
+        jobs = self._counts.batch_jobs
+        if jobs is None:
+            return
+        family = self._families.gauge("batch_jobs", "Batches of the Batch API, by status and tenant.",
+                                      "status", "tenant")
+        for tenant in self._labels.present(Counter(tenant for tenant, _ in jobs)):
+            for status in BATCH_STATUSES:
+                family.add(jobs[(tenant, status)], status, tenant)
+        yield family
 
 
 class ServingMetrics:
     """The metrics of one app: its registry, the engine observer, and the rejection counter."""
 
-    def __init__(self, snapshot: Callable[[], SchedulerSnapshot], tenants: TenantRegistry) -> None:
+    def __init__(self, snapshot: Callable[[], SchedulerSnapshot], tenants: TenantRegistry,
+                 options: MetricsOptions | None = None) -> None:
+        options = options or MetricsOptions()
         self.registry = CollectorRegistry()
         self.labels = TenantLabels(tenants)
         self.counts = RequestCounts()
-        self.observer = RequestObserver(LatencyHistograms(self.registry), self.labels, self.counts)
-        self.registry.register(EngineCollector(snapshot, self.labels, self.counts))
+        self.observer = RequestObserver(RequestHistograms(self.registry, options), self.labels, self.counts)
+        self.registry.register(EngineCollector(snapshot, self.labels, self.counts, options.model_name))
+        self._exposed = WithAliases(self.registry, options.alias_prefixes)
 
     def record_rejection(self, reason: RejectionReason, tenant_id: str | None = None) -> None:
         """Count a request the HTTP layer turned away; tenant_id None when the caller is not known."""
@@ -243,9 +375,16 @@ class ServingMetrics:
             raise ValueError(f"unknown rejection reason {reason!r}; one of {REJECTION_REASONS}")
         self.counts.rejected[(reason, self.labels(tenant_id))] += 1
 
+    def set_batch_jobs(self, by_tenant_and_status: Mapping[tuple[str, str], int]) -> None:
+        """The Batch API's batches by (tenant id, status), as its store counts them now."""
+        jobs: Counter[tuple[str, str]] = Counter()
+        for (tenant_id, status), count in by_tenant_and_status.items():
+            jobs[(self.labels(tenant_id), status)] += count
+        self.counts.batch_jobs = jobs
+
     def exposition(self) -> bytes:
-        """The Prometheus text format of every metric."""
-        return generate_latest(self.registry)
+        """The Prometheus text format of every metric (under each alias prefix too)."""
+        return generate_latest(self._exposed)
 
 
 def rejection_reason(status: int, code: str | None = None) -> RejectionReason | None:
@@ -259,4 +398,3 @@ def rejection_reason(status: int, code: str | None = None) -> RejectionReason | 
     if 400 <= status < 500:
         return "invalid_request"
     return None
-

@@ -1,7 +1,8 @@
-"""What an operator sees of a running server: /metrics, /dashboard, and the request log.
+"""What an operator sees of a running server: /metrics, /dashboard, traces, and the request log.
 
 `Observability.attach(engine)` registers the metrics observer on the engine and gives the routes
-to add to the app. Requests the HTTP layer turns away are counted by wrapping its APIError handler
+to add to the app; `trace_requests` adds the OpenTelemetry observer when tracing is configured.
+Requests the HTTP layer turns away are counted by wrapping its APIError handler
 (`count_rejections`), or reported directly with `record_rejection`. The tenant of a rejection is
 `request.state.tenant_id` when authentication set one, the default tenant on a server without
 authentication, else "unknown".
@@ -9,21 +10,32 @@ authentication, else "unknown".
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
-from typing import Any
+import logging
+from collections.abc import Awaitable, Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from app.batch.database import StoreError
 from app.dashboard import DashboardFeed
 from app.errors import APIError
+from app.metric_names import MetricsOptions
 from app.metrics import RejectionReason, ServingMetrics, rejection_reason
+from config.settings import Settings
 from scheduling.engine import Engine
 from tenancy.tenants import DEFAULT_TENANT, TenantRegistry
 
+if TYPE_CHECKING:
+    from app.tracing import RequestTracer
+
+logger = logging.getLogger(__name__)
+
 ErrorHandler = Callable[[Request, Exception], Awaitable[Response]]
+# Batches by (tenant id, status), counted by the Batch API's store off the event loop.
+BatchCounter = Callable[[], Awaitable[Mapping[tuple[str, str], int]]]
 
 
 Endpoint = Callable[[Request], Awaitable[Response]]
@@ -47,15 +59,18 @@ class Observability:
         self._tenants = tenants
         self.guard: Callable[[Request], None] = lambda request: None  # raises APIError for a caller not let in
         self.metrics_public = False  # /metrics without the guard
+        self.count_batches: BatchCounter | None = None  # the Batch API's store, read at each scrape
 
     @classmethod
     def attach(cls, engine: Engine, *, tenants: TenantRegistry | None = None,
-               is_draining: Callable[[], bool] = lambda: False, dashboard_interval_s: float = 1.0
-               ) -> Observability:
+               is_draining: Callable[[], bool] = lambda: False, dashboard_interval_s: float = 1.0,
+               options: MetricsOptions | None = None) -> Observability:
         """Metrics for this engine (tenant labels from `tenants`, by default the scheduler's), its
-        observer appended to `engine.observers`."""
+        observer appended to `engine.observers`. Without `options`, the model_name label is
+        "default" and token-count buckets reach the engine's context length."""
         tenants = tenants if tenants is not None else engine.tenants
-        metrics = ServingMetrics(lambda: engine.snapshot, tenants)
+        options = options or MetricsOptions(max_model_len=engine.executor.geometry.max_model_len)
+        metrics = ServingMetrics(lambda: engine.snapshot, tenants, options)
         engine.observers.append(metrics.observer)
         dashboard = DashboardFeed(lambda: engine.snapshot, metrics, interval_s=dashboard_interval_s,
                                   is_draining=is_draining)
@@ -92,4 +107,32 @@ class Observability:
 
     async def prometheus(self, request: Request) -> Response:
         # Reads the engine's snapshot of the last step: never the scheduler half-way through one.
+        await self._refresh_batch_jobs()
         return Response(self.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+
+    async def _refresh_batch_jobs(self) -> None:
+        if self.count_batches is None:
+            return
+        try:
+            self.metrics.set_batch_jobs(await self.count_batches())
+        except StoreError:  # the other metrics still answer; batch_jobs keeps its last counts
+            logger.exception("could not count batches for /metrics")
+
+
+def metrics_options(settings: Settings, model_name: str, max_model_len: int) -> MetricsOptions:
+    return MetricsOptions(model_name=model_name, max_model_len=max_model_len, names=settings.metrics_names)
+
+
+def trace_requests(engine: Engine, settings: Settings, model_name: str) -> RequestTracer | None:
+    """With `otlp_traces_endpoint` set, an OpenTelemetry observer on the engine (the caller shuts it
+    down at exit to flush its spans); else None, and opentelemetry is never imported."""
+    if settings.otlp_traces_endpoint is None:
+        return None
+    try:
+        from app.tracing import RequestTracer
+    except ImportError as exc:
+        raise RuntimeError("otlp_traces_endpoint needs opentelemetry: install fairlane's `tracing` extra"
+                           ) from exc
+    tracer = RequestTracer.over_otlp(settings.otlp_traces_endpoint, model_name)
+    engine.observers.append(tracer)
+    return tracer

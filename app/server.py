@@ -15,6 +15,7 @@ from contextlib import asynccontextmanager
 from types import FrameType
 from typing import Any
 
+import anyio
 import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -28,7 +29,7 @@ from app.context import ServingContext
 from app.errors import APIError, api_error_handler, http_exception_handler, unexpected_error_handler
 from app.flags import add_model_flags, settings_from_args
 from app.http_limits import BodyTimeoutMiddleware, header_timeout_protocol, uvicorn_limit_concurrency
-from app.observability import Observability
+from app.observability import Observability, metrics_options, trace_requests
 from app.routes import CLIENT_CLOSED_STATUS, OpenAIRoutes
 from app.submission import SHUTTING_DOWN
 from app.tokenization import TokenizationRoutes
@@ -37,7 +38,7 @@ from config.settings import Settings
 logger = logging.getLogger(__name__)
 
 SERVE_FLAG_KEYS = ("host", "port", "served_model_name", "shutdown_grace_s", "max_body_bytes",
-                   "default_max_tokens", "tenants_file")
+                   "default_max_tokens", "tenants_file", "metrics_names", "otlp_traces_endpoint")
 # After the drain every generation has ended; this only bounds clients too slow to read their last bytes.
 CLOSE_TIMEOUT_S = 5
 
@@ -61,10 +62,16 @@ def create_app(context: ServingContext) -> ASGIApp:
         finally:
             await batches.stop()
             await context.engine.shutdown(SHUTTING_DOWN)
+            if tracer is not None:  # the last spans leave over the network: off the event loop
+                await anyio.to_thread.run_sync(tracer.shutdown)
 
-    observability = Observability.attach(context.engine, is_draining=lambda: context.is_draining)
+    settings = context.settings
+    options = metrics_options(settings, context.model_name, context.geometry.max_model_len)
+    observability = Observability.attach(context.engine, is_draining=lambda: context.is_draining, options=options)
     observability.guard = context.gate.authorize_operator
-    observability.metrics_public = context.settings.metrics_public
+    observability.metrics_public = settings.metrics_public
+    observability.count_batches = batches.store.count_batches
+    tracer = trace_requests(context.engine, settings, context.model_name)
     tokenization = TokenizationRoutes(context)
     routes = [*openai.routes(), *tokenization.routes(), *batches.routes, *observability.routes()]
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={
@@ -161,6 +168,10 @@ def add_serve_command(subparsers: argparse._SubParsersAction[argparse.ArgumentPa
     parser.add_argument("--max-body-bytes", type=int, help="larger request bodies get 413")
     parser.add_argument("--default-max-tokens", type=int, help="max_tokens when a request gives none")
     parser.add_argument("--tenants", dest="tenants_file", help="a tenants TOML file: API keys, weights, limits")
+    parser.add_argument("--metrics-names", choices=["fairlane", "vllm"],
+                        help="vllm: serve every metric under the vllm: prefix too, for vLLM's dashboards")
+    parser.add_argument("--otlp-traces-endpoint",
+                        help="send a span tree per request over OTLP/HTTP, e.g. http://127.0.0.1:4318/v1/traces")
     parser.set_defaults(handler=run_serve)
 
 

@@ -5,7 +5,9 @@ The same seeded traffic runs on fresh engines over one loaded model:
   to themselves, and the share of the time the engine is busy serving them;
 - `batch_alone`: only the batch backlog, for as long as `interactive_alone` lasted: the batch capacity;
 - `fcfs`: both, every request in the interactive class with first-come-first-served order (no priority);
-- `priority_swap`: both, batch requests in the batch class, preempted by swap for interactive ones.
+- `priority_swap`: both, batch requests in the batch class, preempted by swap for interactive ones;
+- `priority_swap_budget`: the same with step shaping, which keeps each step's predicted time within
+  the interactive target while interactive requests are active (scheduling/step_shaper.py).
 
 The backlog is `--backlog` batch requests kept in flight (a finished one is replaced at once), more
 than the KV memory holds, so the engine always has batch work queued. The clock starts once the
@@ -13,10 +15,11 @@ backlog has produced 8 tokens per lane (past its first wave of prefills); a run 
 interactive request ends, and the batch requests still in flight are then aborted. Batch tokens/s
 counts the batch tokens received inside that window.
 
-Targets: with priority and swap, interactive TTFT p99 at most 1.5x its p99 alone, and batch tokens/s
-at least 80% of the capacity interactive leaves unused, measured as batch-alone tokens/s x (1 - the
-busy share of the interactive-alone run), where the busy share is the engine's step time (schedule,
-forward, update) over that run's window.
+Targets, for priority, swap and the step budget: interactive TTFT p99 and ITL p50 and p99 each at
+most 1.3x the same percentile alone; batch tokens/s at least 80% of the capacity interactive leaves
+unused, measured as batch-alone tokens/s x (1 - the busy share of the interactive-alone run), where
+the busy share is the engine's step time (schedule, forward, update) over that run's window; and
+the step cost model's median absolute error at most 15%.
 """
 
 from __future__ import annotations
@@ -40,7 +43,8 @@ from loadtest.stats import percentile
 from scheduling.engine import Engine, RequestStream
 from scheduling.request import PriorityClass, Request, RequestId
 
-TTFT_P99_MAX_RATIO = 1.5
+LATENCY_MAX_RATIO = 1.3  # TTFT p99, ITL p50 and ITL p99, each against the same percentile alone
+COST_MODEL_MAX_ERROR = 0.15
 BATCH_CAPACITY_MIN_FRACTION = 0.8
 BIN_S = 0.5  # timeline resolution
 WARMUP_TOKENS_PER_LANE = 8  # batch tokens received before the clock starts: past the first wave of prefills
@@ -98,8 +102,9 @@ class RunSpec:
 RUNS = (
     RunSpec("interactive_alone", True, False, {}),
     RunSpec("batch_alone", False, True, {}),
-    RunSpec("fcfs", True, True, {"queue_policy": "fcfs"}, batch_class=PriorityClass.INTERACTIVE),
-    RunSpec("priority_swap", True, True, {"preemption_mode": "swap"}),
+    RunSpec("fcfs", True, True, {"queue_policy": "fcfs", "step_shaping": False}, batch_class=PriorityClass.INTERACTIVE),
+    RunSpec("priority_swap", True, True, {"preemption_mode": "swap", "step_shaping": False}),
+    RunSpec("priority_swap_budget", True, True, {"preemption_mode": "swap", "step_shaping": True}),
 )
 
 
@@ -237,6 +242,7 @@ def summarize(trace: RunTrace) -> dict[str, Any]:
         "busy_share": trace.busy_s / window if window > 0 else 0.0,
         "preemptions": stats.get("preemptions", {}),
         "swapped_out_bytes": stats.get("swap", {}).get("bytes_out", 0),
+        "step_cost": stats.get("step_cost", {}),
     }
 
 
@@ -257,25 +263,50 @@ def timeline(trace: RunTrace) -> dict[str, Any]:
 
 
 def judge(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """The capacity interactive leaves to batch, and whether the targets are met."""
-    alone, batch_alone, ours = runs.get("interactive_alone"), runs.get("batch_alone"), runs.get("priority_swap")
-    if alone is None or batch_alone is None or ours is None:
+    """The capacity interactive leaves to batch, each shared run against it and against interactive
+    alone, and whether the step-budget run meets the targets."""
+    alone, batch_alone = runs.get("interactive_alone"), runs.get("batch_alone")
+    if alone is None or batch_alone is None:
         return {}
     busy = alone["busy_share"]
     capacity = batch_alone["batch"]["tokens_per_s"] * (1 - busy)
-    alone_p99, ours_p99 = alone["interactive"]["ttft_p99_s"], ours["interactive"]["ttft_p99_s"]
-    ratio = ours_p99 / alone_p99 if alone_p99 and ours_p99 is not None else None
-    fraction = ours["batch"]["tokens_per_s"] / capacity if capacity > 0 else None
-    return {
+    compared = {name: against_alone(runs[name], alone, capacity)
+                for name in ("priority_swap", "priority_swap_budget") if name in runs}
+    verdict: dict[str, Any] = {
         "capacity": {"batch_alone_tokens_per_s": batch_alone["batch"]["tokens_per_s"],
                      "interactive_busy_share": busy, "batch_capacity_tokens_per_s": capacity,
                      "how": "batch-alone tokens/s x (1 - busy share of interactive alone), busy share = "
                             "engine step time / window"},
-        "ttft_p99_ratio": ratio, "ttft_p99_ratio_max": TTFT_P99_MAX_RATIO,
-        "ttft_target_met": ratio is not None and ratio <= TTFT_P99_MAX_RATIO,
-        "batch_capacity_fraction": fraction, "batch_capacity_fraction_min": BATCH_CAPACITY_MIN_FRACTION,
-        "batch_target_met": fraction is not None and fraction >= BATCH_CAPACITY_MIN_FRACTION,
+        "runs": compared, "latency_ratio_max": LATENCY_MAX_RATIO,
+        "batch_capacity_fraction_min": BATCH_CAPACITY_MIN_FRACTION, "cost_model_error_max": COST_MODEL_MAX_ERROR,
     }
+    ours = compared.get("priority_swap_budget")
+    if ours is not None:
+        verdict["met"] = targets_met(ours)
+    return verdict
+
+
+def against_alone(run: dict[str, Any], alone: dict[str, Any], capacity: float) -> dict[str, Any]:
+    def ratio(key: str) -> float | None:
+        ours, base = run["interactive"][key], alone["interactive"][key]
+        return ours / base if base and ours is not None else None
+
+    return {"ttft_p99_ratio": ratio("ttft_p99_s"), "itl_p50_ratio": ratio("itl_p50_s"),
+            "itl_p99_ratio": ratio("itl_p99_s"),
+            "batch_capacity_fraction": run["batch"]["tokens_per_s"] / capacity if capacity > 0 else None,
+            "cost_model_median_error": run.get("step_cost", {}).get("median_error")}
+
+
+def targets_met(compared: dict[str, Any]) -> dict[str, bool]:
+    def within(value: float | None, limit: float) -> bool:
+        return value is not None and value <= limit
+
+    fraction = compared["batch_capacity_fraction"]
+    return {"ttft_p99": within(compared["ttft_p99_ratio"], LATENCY_MAX_RATIO),
+            "itl_p50": within(compared["itl_p50_ratio"], LATENCY_MAX_RATIO),
+            "itl_p99": within(compared["itl_p99_ratio"], LATENCY_MAX_RATIO),
+            "batch_capacity": fraction is not None and fraction >= BATCH_CAPACITY_MIN_FRACTION,
+            "cost_model_error": within(compared["cost_model_median_error"], COST_MODEL_MAX_ERROR)}
 
 
 def build_report(settings: Settings, traffic: Traffic, traces: dict[str, RunTrace]) -> dict[str, Any]:
@@ -316,18 +347,28 @@ def render_table(report: dict[str, Any]) -> str:
     targets = report["targets"]
     if targets:
         cap = targets["capacity"]
-        ratio, fraction = targets["ttft_p99_ratio"], targets["batch_capacity_fraction"]
         lines.append(f"batch capacity left by interactive: {cap['batch_capacity_tokens_per_s']:.1f} tok/s "
                      f"= batch alone {cap['batch_alone_tokens_per_s']:.1f} tok/s x (1 - interactive busy share "
                      f"{cap['interactive_busy_share']:.2f})")
-        lines.append("interactive TTFT p99, priority_swap / alone: "
-                     + ("-" if ratio is None else f"{ratio:.2f}")
-                     + f" (target <= {TTFT_P99_MAX_RATIO}: {'met' if targets['ttft_target_met'] else 'NOT met'})")
-        lines.append("batch tokens/s, priority_swap / capacity: "
-                     + ("-" if fraction is None else f"{fraction:.2f}")
-                     + f" (target >= {BATCH_CAPACITY_MIN_FRACTION}: "
-                     + f"{'met' if targets['batch_target_met'] else 'NOT met'})")
+        lines.append(format_table(ratio_rows(targets)))
     return "\n".join(lines)
+
+
+def ratio_rows(targets: dict[str, Any]) -> list[list[str]]:
+    def show(value: float | None) -> str:
+        return "-" if value is None else f"{value:.2f}"
+
+    limit = f"<= {LATENCY_MAX_RATIO}"
+    rows = [["run", f"TTFT p99 / alone ({limit})", f"ITL p50 / alone ({limit})", f"ITL p99 / alone ({limit})",
+             f"batch / capacity (>= {BATCH_CAPACITY_MIN_FRACTION})", f"cost model error (<= {COST_MODEL_MAX_ERROR})"]]
+    for name, run in targets["runs"].items():
+        rows.append([name, show(run["ttft_p99_ratio"]), show(run["itl_p50_ratio"]), show(run["itl_p99_ratio"]),
+                     show(run["batch_capacity_fraction"]), show(run["cost_model_median_error"])])
+    met = targets.get("met")
+    if met:
+        rows.append(["targets met", *("yes" if met[k] else "NO" for k in
+                                      ("ttft_p99", "itl_p50", "itl_p99", "batch_capacity", "cost_model_error"))])
+    return rows
 
 
 def plot_timeline(report: dict[str, Any], path: Path) -> None:

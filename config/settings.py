@@ -54,6 +54,11 @@ class Settings(BaseModel):
     # recompute: its KV is dropped and rebuilt on resume.
     preemption_mode: Literal["swap", "recompute"] = "swap"
     batch_min_share: float = Field(default=0.0, ge=0.0, le=1.0)  # of each step's tokens, kept for batch work
+    # Step shaping: while interactive requests are active, a step holds only as much batch work as keeps its
+    # predicted time within the interactive target (scheduling/step_shaper.py).
+    step_shaping: bool = True
+    interactive_itl_target_ms: float | None = Field(default=None, gt=0)  # fixed; None: derived as below
+    interactive_itl_slack: float = Field(default=1.25, ge=1.0)  # target = this x the interactive work's own time
     enable_prefix_caching: bool = True
     queue_policy: Literal["vtc", "fcfs"] = "vtc"
     vtc_prompt_weight: float = Field(default=1.0, gt=0)  # w_p, per prompt token computed
@@ -80,6 +85,14 @@ class Settings(BaseModel):
     http_body_timeout_s: float = Field(default=30.0, gt=0)  # longest wait for the next piece of a body (408)
     max_connections: int = Field(default=2048, ge=1)  # open HTTP connections; more are refused (503)
     metrics_public: bool = False  # /metrics without the admin key (a scraper on a private network)
+
+    # Observability.
+    # fairlane: every metric family under the `fairlane:` prefix; vllm: each again under `vllm:`, so
+    # dashboards written for vLLM work unedited (app/metrics.py lists what matches vLLM's semantics).
+    metrics_names: Literal["fairlane", "vllm"] = "fairlane"
+    # OTLP over HTTP (protobuf), e.g. http://127.0.0.1:4318/v1/traces: one span tree per request.
+    # None: no tracing, and opentelemetry is never imported (it is the optional `tracing` extra).
+    otlp_traces_endpoint: str | None = Field(default=None, pattern=r"^https?://\S+$")
 
     # Engine health.
     engine_stall_s: float = Field(default=60.0, gt=0)  # work waiting and no step finished for this long: unhealthy

@@ -10,8 +10,8 @@ free block that still holds a cached hash) never touches a block in use.
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from dataclasses import dataclass
+from collections import Counter, OrderedDict
+from dataclasses import dataclass, field
 
 from scheduling.prefix_cache import extend_block_hashes
 from scheduling.request import Request
@@ -61,6 +61,9 @@ class BlockPool:
             if self._ref_counts[block] == 0:
                 self._free[block] = None
 
+    def is_free(self, block: int) -> bool:
+        return self._ref_counts[block] == 0
+
     def lookup(self, block_hash: bytes) -> int | None:
         return self._block_of_hash.get(block_hash)
 
@@ -88,8 +91,23 @@ class PrefixCacheCounters:
     hit_tokens: int = 0
 
 
+@dataclass(slots=True)
+class _BlockTable:
+    """One request's blocks. Only the manager reads or writes it; the request holds none of it."""
+
+    tenant_id: str
+    device: list[int] = field(default_factory=list)  # position order
+    cpu: list[int] = field(default_factory=list)  # while swapped out
+    num_registered: int = 0  # leading device blocks already entered in the prefix cache
+
+
 class KVBlockManager:
-    """Device and CPU block pools, and the mapping of requests to blocks."""
+    """Device and CPU block pools, and every request's block table, keyed by request id.
+
+    A request never holds block lists that other modules edit (vLLM's KV manager keeps them the
+    same way). The scheduler asks pure questions (`cached_prefix`, `blocks_needed`,
+    `can_swap_in`, `num_device_blocks`) and then makes one change (`allocate`, `swap_out`,
+    `swap_in`, `free`) that either succeeds whole or changes nothing."""
 
     def __init__(self, num_device_blocks: int, num_cpu_blocks: int, block_size: int,
                  enable_prefix_caching: bool = True) -> None:
@@ -98,43 +116,82 @@ class KVBlockManager:
         self.cpu = BlockPool(num_cpu_blocks)
         self.enable_prefix_caching = enable_prefix_caching
         self.prefix_counters = PrefixCacheCounters()
+        self._tables: dict[str, _BlockTable] = {}
+        self._hashes: dict[str, list[bytes]] = {}  # each request's hash chain, grown lazily (derived data)
+        self._device_blocks_by_tenant: Counter[str] = Counter()
 
-    def blocks_needed(self, request: Request, num_new_tokens: int) -> int:
-        """Blocks to add so positions up to num_computed_tokens + num_new_tokens have a slot."""
-        total = -(-(request.num_computed_tokens + num_new_tokens) // self.block_size)
-        return max(0, total - len(request.block_ids))
+    # ---- questions (change nothing) --------------------------------------------------------
 
-    def can_allocate(self, request: Request, num_new_tokens: int) -> bool:
-        return self.blocks_needed(request, num_new_tokens) <= self.device.num_free
+    def block_table(self, request_id: str) -> list[int]:
+        """A copy of the request's device blocks, in position order."""
+        table = self._tables.get(request_id)
+        return list(table.device) if table else []
 
-    def allocate_slots(self, request: Request, num_new_tokens: int) -> list[int] | None:
-        """Give the request room for num_new_tokens more tokens; None (and no change) if there is none."""
-        new_blocks = self.device.allocate(self.blocks_needed(request, num_new_tokens))
-        if new_blocks is None:
-            return None
-        request.block_ids.extend(new_blocks)
-        return new_blocks
+    def cpu_blocks(self, request_id: str) -> list[int]:
+        table = self._tables.get(request_id)
+        return list(table.cpu) if table else []
 
-    def take_cached_prefix(self, request: Request) -> int:
-        """For a request with nothing computed: share the longest chain of cached full blocks and
-        count them as computed. At least the last token is left to compute (its logits are needed).
-        Returns the number of tokens taken from the cache."""
-        if not self.enable_prefix_caching or request.num_computed_tokens or request.block_ids:
-            return 0
-        if request.sampling.prompt_logprobs is not None:  # every prompt position's logits are wanted
-            return 0
+    def num_device_blocks(self, request_id: str) -> int:
+        table = self._tables.get(request_id)
+        return len(table.device) if table else 0
+
+    def num_cpu_blocks(self, request_id: str) -> int:
+        table = self._tables.get(request_id)
+        return len(table.cpu) if table else 0
+
+    def device_blocks_held_by(self, tenant_id: str) -> int:
+        return self._device_blocks_by_tenant[tenant_id]
+
+    def blocks_needed(self, request: Request, num_new_tokens: int, num_computed: int | None = None) -> int:
+        """Device blocks to add so positions up to num_computed + num_new_tokens have a slot."""
+        computed = request.num_computed_tokens if num_computed is None else num_computed
+        total = -(-(computed + num_new_tokens) // self.block_size)
+        return max(0, total - self.num_device_blocks(request.request_id))
+
+    def cached_prefix(self, request: Request) -> tuple[int, ...]:
+        """The leading full blocks of a request holding nothing that the prefix cache already has.
+        At least the last token is left to compute (its logits are needed)."""
+        if (not self.enable_prefix_caching or request.num_computed_tokens or request.request_id in self._tables
+                or request.sampling.prompt_logprobs is not None):  # every prompt position's logits are wanted
+            return ()
         limit = (request.num_tokens - 1) // self.block_size
-        hashes = extend_block_hashes(request.block_hashes, request.token_ids, self.block_size,
-                                     request.cache_salt, limit)
-        for block_hash in hashes[:limit]:
+        found = []
+        for block_hash in self._hash_chain(request, limit)[:limit]:
             block = self.device.lookup(block_hash)
             if block is None:
                 break
+            found.append(block)
+        return tuple(found)
+
+    def can_swap_in(self, request: Request, num_new_tokens: int) -> bool:
+        blocks = -(-(request.num_computed_tokens + num_new_tokens) // self.block_size)
+        return blocks <= self.device.num_free
+
+    def can_swap_out(self, request: Request) -> bool:
+        return self.num_device_blocks(request.request_id) <= self.cpu.num_free
+
+    # ---- changes (whole or nothing) --------------------------------------------------------
+
+    def allocate(self, request: Request, num_new_tokens: int, cached_prefix: tuple[int, ...] = ()) -> bool:
+        """Give the request room for num_new_tokens more tokens, first sharing `cached_prefix` (from
+        `cached_prefix()`, for a request holding nothing). False, and nothing changed, if it does not fit."""
+        num_computed = request.num_computed_tokens + len(cached_prefix) * self.block_size
+        num_fresh = self.blocks_needed(request, num_new_tokens, num_computed) - len(cached_prefix)
+        if num_fresh == 0 and not cached_prefix and request.request_id in self._tables:
+            return True  # the common decode: the last block still has room
+        # A cached block nobody holds sits in the free queue: sharing it takes it out.
+        if num_fresh + sum(self.device.is_free(b) for b in cached_prefix) > self.device.num_free:
+            return False
+        table = self._tables.setdefault(request.request_id, _BlockTable(request.tenant_id))
+        for block in cached_prefix:
             self.device.share(block)
-            request.block_ids.append(block)
-        request.num_computed_tokens = len(request.block_ids) * self.block_size
-        request.num_registered_blocks = len(request.block_ids)
-        return request.num_computed_tokens
+        fresh = self.device.allocate(num_fresh)
+        assert fresh is not None  # checked above
+        table.device.extend(cached_prefix)
+        table.device.extend(fresh)
+        table.num_registered = max(table.num_registered, len(cached_prefix))
+        self._device_blocks_by_tenant[table.tenant_id] += len(cached_prefix) + len(fresh)
+        return True
 
     def record_prefix_query(self, request: Request, num_hit_tokens: int) -> None:
         if self.enable_prefix_caching:
@@ -143,49 +200,50 @@ class KVBlockManager:
 
     def cache_computed_blocks(self, request: Request) -> None:
         """Register the request's newly completed full blocks so later requests can share them."""
-        if not self.enable_prefix_caching:
+        table = self._tables.get(request.request_id)
+        if not self.enable_prefix_caching or table is None:
             return
         num_full = request.num_computed_tokens // self.block_size
-        if num_full <= request.num_registered_blocks:
+        if num_full <= table.num_registered:
             return
-        hashes = extend_block_hashes(request.block_hashes, request.token_ids, self.block_size,
-                                     request.cache_salt, num_full)
-        for index in range(request.num_registered_blocks, num_full):
-            self.device.register(request.block_ids[index], hashes[index])
-        request.num_registered_blocks = num_full
+        hashes = self._hash_chain(request, num_full)
+        for index in range(table.num_registered, num_full):
+            self.device.register(table.device[index], hashes[index])
+        table.num_registered = num_full
 
-    def free(self, request: Request) -> None:
+    def free(self, request_id: str) -> None:
         """Return the request's device and CPU blocks (cached ones stay findable until reused)."""
-        self.device.free(request.block_ids)
-        self.cpu.free(request.cpu_block_ids)
-        request.block_ids = []
-        request.cpu_block_ids = []
-        request.num_registered_blocks = 0
-
-    def can_swap_out(self, request: Request) -> bool:
-        return len(request.block_ids) <= self.cpu.num_free
+        table = self._tables.pop(request_id, None)
+        if table is not None:
+            self.device.free(table.device)
+            self.cpu.free(table.cpu)
+            self._device_blocks_by_tenant[table.tenant_id] -= len(table.device)
+        self._hashes.pop(request_id, None)
 
     def swap_out(self, request: Request) -> list[tuple[int, int]] | None:
         """Move the request's blocks to CPU blocks; the copies to make, or None if the CPU pool is full."""
-        cpu_blocks = self.cpu.allocate(len(request.block_ids))
+        table = self._tables[request.request_id]
+        cpu_blocks = self.cpu.allocate(len(table.device))
         if cpu_blocks is None:
             return None
-        pairs = list(zip(request.block_ids, cpu_blocks, strict=True))
-        self.device.free(request.block_ids)
-        request.block_ids, request.cpu_block_ids = [], cpu_blocks
-        request.num_registered_blocks = 0
+        pairs = list(zip(table.device, cpu_blocks, strict=True))
+        self.device.free(table.device)
+        self._device_blocks_by_tenant[table.tenant_id] -= len(table.device)
+        table.device, table.cpu, table.num_registered = [], cpu_blocks, 0
         return pairs
-
-    def can_swap_in(self, request: Request, num_new_tokens: int) -> bool:
-        blocks = -(-(request.num_computed_tokens + num_new_tokens) // self.block_size)
-        return blocks <= self.device.num_free
 
     def swap_in(self, request: Request) -> list[tuple[int, int]] | None:
         """Bring the request's blocks back to the device; the copies to make, or None if no room."""
-        device_blocks = self.device.allocate(len(request.cpu_block_ids))
+        table = self._tables[request.request_id]
+        device_blocks = self.device.allocate(len(table.cpu))
         if device_blocks is None:
             return None
-        pairs = list(zip(request.cpu_block_ids, device_blocks, strict=True))
-        self.cpu.free(request.cpu_block_ids)
-        request.block_ids, request.cpu_block_ids = device_blocks, []
+        pairs = list(zip(table.cpu, device_blocks, strict=True))
+        self.cpu.free(table.cpu)
+        table.device, table.cpu = device_blocks, []
+        self._device_blocks_by_tenant[table.tenant_id] += len(device_blocks)
         return pairs
+
+    def _hash_chain(self, request: Request, num_blocks: int) -> list[bytes]:
+        hashes = self._hashes.setdefault(request.request_id, [])
+        return extend_block_hashes(hashes, request.token_ids, self.block_size, request.cache_salt, num_blocks)

@@ -20,7 +20,7 @@ from gpu.plan import StepPlan, StepResult
 from scheduling.executor import Executor
 from scheduling.request import Request, RequestId, RequestStatus, TokenEvent
 from scheduling.scheduler import Scheduler
-from scheduling.snapshot import SchedulerSnapshot
+from scheduling.snapshot import SchedulerSnapshot, StepCostStats
 from tenancy.tenants import TenantRegistry
 
 logger = logging.getLogger(__name__)
@@ -43,6 +43,13 @@ class EngineStopped(RuntimeError):
 class EngineHealth:
     is_healthy: bool
     reason: str | None = None  # why not, for /health and the logs
+
+
+def step_cost_stats(cost: StepCostStats) -> dict[str, Any]:
+    """The step cost model and step shaping, for /stats."""
+    return {"predicted_s": cost.predicted_s, "measured_s": cost.measured_s, "median_error": cost.median_error,
+            "coefficients": None if cost.coefficients is None else dict(cost.coefficients),
+            "shaped_steps": cost.shaped_steps, "batch_tokens_deferred": cost.batch_tokens_deferred}
 
 
 def tenant_stats(snapshot: SchedulerSnapshot) -> dict[str, dict[str, object]]:
@@ -253,6 +260,7 @@ class Engine:
             "prefix_cache": {"queried_tokens": s.prefix_queried_tokens, "hit_tokens": s.prefix_hit_tokens,
                              "cached_blocks": s.cached_blocks},
             "tenants": tenant_stats(s),
+            "step_cost": step_cost_stats(s.step_cost),
             "steps": self.times.steps,
             "forward_seconds": round(self.times.forward_seconds, 6),
             "busy_seconds": round(self.times.busy_seconds, 6),
@@ -290,8 +298,10 @@ class Engine:
             self._snapshot = self.scheduler.snapshot()
             return
         self._dispatch(self.scheduler.update(plan, result))
+        seconds = time.perf_counter() - started
+        self.scheduler.observe_step_time(plan, seconds)
         self._snapshot = self.scheduler.snapshot()
-        self._account(plan, result, time.perf_counter() - started)
+        self._account(plan, result, seconds)
 
     def _fail_loudly(self, reason: str) -> None:
         """End every in-flight stream with an error without asking the scheduler, whose state may be

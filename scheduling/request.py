@@ -57,7 +57,11 @@ def finish_reason(status: RequestStatus) -> str | None:
 @dataclass(slots=True, eq=False)
 class Request:
     """One generation. `num_computed_tokens` catches up to `num_tokens`: prefill chunks, decodes and
-    the resume of a recomputed request are all the same path."""
+    the resume of a recomputed request are all the same path.
+
+    Each field has one writer: the API layer sets the request up; after `add_request` the scheduler
+    alone changes it, except `first_token_time`, which the engine stamps when it hands the first
+    token to the stream. Its KV blocks are not here: the block manager keeps them by request id."""
 
     request_id: RequestId
     prompt_token_ids: list[int]
@@ -70,14 +74,10 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     token_ids: list[int] = field(default_factory=list)  # prompt then output; filled in __post_init__
     num_computed_tokens: int = 0  # tokens whose K/V sit in the cache
-    block_ids: list[int] = field(default_factory=list)  # device blocks, position order
-    cpu_block_ids: list[int] = field(default_factory=list)  # CPU blocks while SWAPPED
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     num_preemptions: int = 0
     num_charged_prompt_tokens: int = 0  # prompt positions already charged to the tenant's counter
     cache_salt: str = ""  # isolates prefix-cache entries: the tenant or its cache group, plus any request salt
-    block_hashes: list[bytes] = field(default_factory=list)  # hash chain of full blocks, grown lazily
-    num_registered_blocks: int = 0  # leading device blocks already entered in the prefix cache
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # for prompt positions 1.., when asked
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from types import MappingProxyType
 
 from gpu.plan import CacheGeometry, ScheduledSequence, StepPlan, StepResult, TokenLogprobs
@@ -21,8 +21,10 @@ from scheduling.block_manager import KVBlockManager
 from scheduling.preemption import PreemptionEvent, PreemptionMode, choose_victim
 from scheduling.queue import RequestQueue, create_request_queue
 from scheduling.request import PriorityClass, Request, RequestId, RequestStatus, TokenEvent, finish_reason
-from scheduling.snapshot import BlockUse, ClassLoad, SchedulerSnapshot
+from scheduling.snapshot import BlockUse, ClassLoad, SchedulerSnapshot, StepCostStats
 from scheduling.step_builder import StepBuilder
+from scheduling.step_cost import StepWork
+from scheduling.step_shaper import ShapingConfig, StepShaper
 from tenancy.tenants import TenantRegistry
 from tenancy.vtc import ServiceWeights, VirtualTokenCounter
 
@@ -39,6 +41,7 @@ class SchedulerConfig:
     service_weights: ServiceWeights = field(default_factory=ServiceWeights)
     kv_share_limit: bool = True  # see Scheduler._over_kv_share
     enable_prefix_caching: bool = True
+    shaping: ShapingConfig = field(default_factory=ShapingConfig)
 
 
 @dataclass(slots=True)
@@ -49,6 +52,15 @@ class SchedulerCounters:
     preemptions: Counter[str] = field(default_factory=Counter)  # by mode
     blocks_swapped_out: int = 0
     blocks_swapped_in: int = 0
+
+
+@dataclass(slots=True)
+class InteractiveDemand:
+    """What waiting interactive requests will take of a step: the tokens running batch work leaves
+    them, and the work the shaped budget is opened after (see StepShaper.add_demand)."""
+
+    tokens: int = 0
+    work: StepWork = field(default_factory=StepWork)
 
 
 class AdmissionError(ValueError):
@@ -73,6 +85,11 @@ class Scheduler:
         self.counters = SchedulerCounters()
         self.preemption_log: deque[PreemptionEvent] = deque(maxlen=10_000)
         self._unfinished: Counter[tuple[PriorityClass, str]] = Counter()  # per class and tenant
+        self._unfinished_by_class: Counter[PriorityClass] = Counter()
+        self._unfinished_by_tenant: Counter[str] = Counter()
+        self._active_weight = 0.0  # the weights of the tenants with unfinished requests, summed
+        self._running_by_tenant: Counter[str] = Counter()
+        self.shaper = StepShaper(config.shaping, geometry.block_size)
         self._finished_ids: list[str] = []  # told to the runner with the next plan
 
     # ---- commands -------------------------------------------------------------------------
@@ -96,6 +113,8 @@ class Scheduler:
             backlogged = [t for (c, t), n in self._unfinished.items() if c == request.priority and n > 0]
             self.vtc[request.priority].lift(request.tenant_id, backlogged)
         self._unfinished[key] += 1
+        self._unfinished_by_class[request.priority] += 1
+        self._count_unfinished(request.tenant_id, +1)
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         self.waiting[request.priority].add(request)
@@ -123,10 +142,12 @@ class Scheduler:
         self.counters.num_steps += 1
         plan = StepPlan(finished_request_ids=self._finished_ids)
         self._finished_ids = []
-        step = StepBuilder(plan, self.config.max_num_batched_tokens)
+        step = StepBuilder(plan, self.config.max_num_batched_tokens, self.blocks,
+                           batch_floor_tokens=self._batch_reserve())
         made_room, interactive_demand = self._make_room_for_interactive(plan, step.tokens_left)
         if self._schedule_running(step, interactive_demand):
             return plan  # bringing work in right after pushing work out would only thrash
+        self._open_shaped_budget(step, interactive_demand)
         # Room made for interactive requests is theirs in this very plan (the runner swaps out before
         # the forward); batch work waits for the next step. What must stay true: every swap-out of a
         # plan is decided before any swap-in, so no CPU block is freed and reused within one plan.
@@ -138,23 +159,24 @@ class Scheduler:
             self.waiting[PriorityClass.BATCH]) or any(r.priority is PriorityClass.BATCH for r in self.swapped)
         return int(self.config.batch_min_share * self.config.max_num_batched_tokens) if has_batch else 0
 
-    def _make_room_for_interactive(self, plan: StepPlan, budget: int) -> tuple[bool, int]:
+    def _make_room_for_interactive(self, plan: StepPlan, budget: int) -> tuple[bool, InteractiveDemand]:
         """Preempt running batch requests until the interactive requests that fit this step's
         budget have the blocks and slots they need. Returns whether any was preempted, and the
         tokens those interactive requests will take (running batch work leaves them free).
         Requests their tenant's limits hold back are not counted: making room for them would only
         swap batch work out and back in."""
-        blocks_needed, slots_needed, demand = 0, 0, 0
+        blocks_needed, slots_needed, demand = 0, 0, InteractiveDemand()
         for request in self._waiting_interactive_in_order():
-            if demand >= budget:
+            if demand.tokens >= budget:
                 break
-            take = min(request.num_uncomputed_tokens, budget - demand)
+            take = min(request.num_uncomputed_tokens, budget - demand.tokens)
             if request.status is RequestStatus.WAITING and self._at_tenant_limit(request, take):
                 continue
-            blocks_needed += self.blocks.blocks_needed(request, take) if not request.cpu_block_ids else len(
-                request.cpu_block_ids) + 1
+            swapped_blocks = self.blocks.num_cpu_blocks(request.request_id)
+            blocks_needed += swapped_blocks + 1 if swapped_blocks else self.blocks.blocks_needed(request, take)
             slots_needed += 1
-            demand += take
+            demand.tokens += take
+            self.shaper.add_demand(demand.work, take, request.num_computed_tokens)
         preempted = False
         while slots_needed and (blocks_needed > self.blocks.device.num_free
                                 or len(self.running) + slots_needed > self.config.max_num_seqs):
@@ -170,22 +192,36 @@ class Scheduler:
         yield from (r for r in self.swapped if r.priority is PriorityClass.INTERACTIVE)
         yield from self.waiting[PriorityClass.INTERACTIVE]
 
-    def _schedule_running(self, step: StepBuilder, interactive_demand: int = 0) -> bool:
+    def _interactive_active(self) -> bool:
+        return self._unfinished_by_class[PriorityClass.INTERACTIVE] > 0
+
+    def _open_shaped_budget(self, step: StepBuilder, interactive_demand: InteractiveDemand) -> None:
+        self.shaper.open_budget(step, interactive_demand.work, self._interactive_active())
+
+    def _shaped(self, step: StepBuilder, request: Request, num_new: int, interactive_demand: InteractiveDemand,
+                swap_in_blocks: int = 0) -> int:
+        """num_new, or fewer when step shaping holds the request's work back (see step_shaper.py)."""
+        if not self.shaper.shapes(request):
+            return num_new
+        self._open_shaped_budget(step, interactive_demand)
+        return self.shaper.fit(step, request, num_new, swap_in_blocks)
+
+    def _schedule_running(self, step: StepBuilder, interactive_demand: InteractiveDemand) -> bool:
         """Interactive before batch, decodes before prefill chunks. Running batch work leaves
         `interactive_demand` tokens for waiting interactive requests (less its batch_min_share).
         Returns whether any was preempted."""
         pending = deque(sorted(self.running, key=lambda r: (r.priority.rank, r.num_uncomputed_tokens > 1)))
         reserve = self._batch_reserve()
-        held_for_interactive = min(interactive_demand, self.config.max_num_batched_tokens - reserve)
+        held_for_interactive = min(interactive_demand.tokens, self.config.max_num_batched_tokens - reserve)
         preempted = False
         while pending:
             request = pending.popleft()
             is_interactive = request.priority is PriorityClass.INTERACTIVE
             cap = step.tokens_left - (reserve if is_interactive else held_for_interactive)
-            num_new = min(request.num_uncomputed_tokens, cap)
+            num_new = self._shaped(step, request, min(request.num_uncomputed_tokens, cap), interactive_demand)
             if num_new <= 0:
                 continue
-            while self.blocks.allocate_slots(request, num_new) is None:
+            while not self.blocks.allocate(request, num_new):
                 victim = choose_victim([request, *pending], request.priority)
                 assert victim is not None  # the request itself is always a candidate
                 self._preempt(victim, step.plan, request.priority)
@@ -212,13 +248,16 @@ class Scheduler:
             num_new = min(request.num_uncomputed_tokens, step.tokens_left)
             if not self.blocks.can_swap_in(request, num_new):
                 return False
+            num_new = self._shaped(step, request, num_new, InteractiveDemand(),
+                                   self.blocks.num_cpu_blocks(request.request_id))
+            if num_new <= 0:
+                return False
             pairs = self.blocks.swap_in(request)
-            assert pairs is not None and self.blocks.allocate_slots(request, num_new) is not None
+            assert pairs is not None and self.blocks.allocate(request, num_new)
             step.plan.swap_in.extend(pairs)
             self.counters.blocks_swapped_in += len(pairs)
             self.swapped.remove(request)
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
+            self._start_running(request)
             step.add(request, num_new)
         return True
 
@@ -242,20 +281,20 @@ class Scheduler:
 
     def _admit(self, request: Request, step: StepBuilder) -> bool:
         """Start a waiting request: share its cached prefix, allocate the rest of its first chunk."""
-        num_cached = self.blocks.take_cached_prefix(request)
-        num_new = min(request.num_uncomputed_tokens, step.tokens_left)
-        if self.blocks.allocate_slots(request, num_new) is None:
-            self.blocks.free(request)  # give the shared prefix back; it stays cached
-            request.num_computed_tokens = 0
+        cached_prefix = self.blocks.cached_prefix(request)
+        num_cached = len(cached_prefix) * self.geometry.block_size
+        num_new = min(request.num_tokens - request.num_computed_tokens - num_cached, step.tokens_left)
+        num_new = self._shaped(step, request, num_new, InteractiveDemand())
+        if num_new <= 0 or not self.blocks.allocate(request, num_new, cached_prefix):
             return False
+        request.num_computed_tokens += num_cached
         self.blocks.record_prefix_query(request, num_cached)
         if request.first_scheduled_time is None:
             request.first_scheduled_time = self.clock()
         if request.num_preemptions == 0:  # usage reports the first admission's hits
             request.num_cached_tokens = num_cached
             self.vtc[request.priority].charge(request.tenant_id, 0, 0, num_cached_prompt=num_cached)
-        request.status = RequestStatus.RUNNING
-        self.running.append(request)
+        self._start_running(request)
         step.add(request, num_new)
         return True
 
@@ -264,7 +303,7 @@ class Scheduler:
 
     def _at_max_concurrent(self, tenant_id: str) -> bool:
         limit = self.tenants.get(tenant_id).limits.max_concurrent
-        return limit is not None and sum(r.tenant_id == tenant_id for r in self.running) >= limit
+        return limit is not None and self._running_by_tenant[tenant_id] >= limit
 
     def _tenants_waiting(self) -> Iterator[str]:
         """Each tenant with a waiting request, once, lazily."""
@@ -281,23 +320,36 @@ class Scheduler:
         blocks may always start one request: one larger than the share would otherwise wait for as
         long as another tenant kept a request waiting. Another tenant's waiting request counts only
         if it could be admitted now (its tenant is below max_concurrent); else memory would sit idle."""
-        if not self.config.kv_share_limit:
+        held = self.blocks.device_blocks_held_by(request.tenant_id)
+        if not self.config.kv_share_limit or held == 0 or len(self._unfinished_by_tenant) < 2:
             return False
-        active = {t for (_, t), n in self._unfinished.items() if n > 0}
-        others_waiting = any(t != request.tenant_id and not self._at_max_concurrent(t)
-                             for t in self._tenants_waiting())
-        if not others_waiting or len(active) < 2:
+        share = self.geometry.num_device_blocks * self.tenants.weight(request.tenant_id) / self._active_weight
+        if held + self.blocks.blocks_needed(request, num_new) <= share:
             return False
-        total_weight = sum(self.tenants.weight(t) for t in active)
-        share = self.geometry.num_device_blocks * self.tenants.weight(request.tenant_id) / total_weight
-        held = sum(len(r.block_ids) for r in self.running if r.tenant_id == request.tenant_id)
-        return held > 0 and held + self.blocks.blocks_needed(request, num_new) > share
+        return any(t != request.tenant_id and not self._at_max_concurrent(t) for t in self._tenants_waiting())
+
+    def _count_unfinished(self, tenant_id: str, change: int) -> None:
+        """Keep the per-tenant count of unfinished requests and the active tenants' total weight."""
+        self._unfinished_by_tenant[tenant_id] += change
+        if self._unfinished_by_tenant[tenant_id] == 0:
+            del self._unfinished_by_tenant[tenant_id]
+        if self._unfinished_by_tenant.get(tenant_id, 0) == max(change, 0):  # became active or inactive
+            self._active_weight = sum(self.tenants.weight(t) for t in self._unfinished_by_tenant)
+
+    def _start_running(self, request: Request) -> None:
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        self._running_by_tenant[request.tenant_id] += 1
+
+    def _stop_running(self, request: Request) -> None:
+        self.running.remove(request)
+        self._running_by_tenant[request.tenant_id] -= 1
 
     def _preempt(self, victim: Request, plan: StepPlan, for_class: PriorityClass) -> None:
         """Swap the victim's KV to the CPU pool; if the pool is full (or swap is off), recompute."""
-        num_blocks = len(victim.block_ids)
+        num_blocks = self.blocks.num_device_blocks(victim.request_id)
         pairs = self.blocks.swap_out(victim) if self.config.preemption_mode == "swap" else None
-        self.running.remove(victim)
+        self._stop_running(victim)
         victim.num_preemptions += 1
         if pairs is not None:
             plan.swap_out.extend(pairs)
@@ -306,7 +358,7 @@ class Scheduler:
             self.swapped.append(victim)
             mode = PreemptionMode.SWAP
         else:
-            self.blocks.free(victim)
+            self.blocks.free(victim.request_id)
             victim.num_computed_tokens = 0
             victim.status = RequestStatus.WAITING
             self.waiting[victim.priority].prepend(victim)
@@ -376,13 +428,15 @@ class Scheduler:
         if request.status == RequestStatus.WAITING:
             self.waiting[request.priority].remove(request)
         elif request.status == RequestStatus.RUNNING:
-            self.running.remove(request)
+            self._stop_running(request)
         elif request.status == RequestStatus.SWAPPED:
             self.swapped.remove(request)
-        self.blocks.free(request)
+        self.blocks.free(request.request_id)
         request.status = status
         del self.requests[request.request_id]
         self._unfinished[(request.priority, request.tenant_id)] -= 1
+        self._unfinished_by_class[request.priority] -= 1
+        self._count_unfinished(request.tenant_id, -1)
         self._finished_ids.append(request.request_id)
         if status == RequestStatus.FINISHED_ABORTED:
             self.counters.num_aborted += 1
@@ -396,6 +450,10 @@ class Scheduler:
         return TokenEvent(request.request_id, new_tokens, finish_reason(request.status),
                           request.num_prompt_tokens, request.num_output_tokens, request.num_cached_tokens,
                           logprobs=logprobs, prompt_logprobs=tuple(request.prompt_logprobs) if first else ())
+
+    def observe_step_time(self, plan: StepPlan, seconds: float) -> None:
+        """How long the step of `plan` took, from schedule() to its events: the cost model learns from it."""
+        self.shaper.observe(plan, seconds)
 
     # ---- observation ----------------------------------------------------------------------
 
@@ -419,4 +477,11 @@ class Scheduler:
             preemptions=MappingProxyType({mode: c.preemptions[mode] for mode in ("swap", "recompute")}),
             blocks_swapped_out=c.blocks_swapped_out, blocks_swapped_in=c.blocks_swapped_in,
             bytes_per_block=self.geometry.bytes_per_block, num_finished=c.num_finished, num_aborted=c.num_aborted,
+            step_cost=self._step_cost_stats(),
         )
+
+    def _step_cost_stats(self) -> StepCostStats:
+        model, counters = self.shaper.cost_model, self.shaper.counters
+        coefficients = None if model.coefficients is None else MappingProxyType(asdict(model.coefficients))
+        return StepCostStats(model.last_predicted_s, model.last_measured_s, model.median_error, coefficients,
+                             counters.shaped_steps, counters.batch_tokens_deferred)

@@ -32,6 +32,18 @@ class BlockUse:
 
 
 @dataclass(slots=True, frozen=True)
+class StepCostStats:
+    """The step cost model and what step shaping did (see scheduling/step_shaper.py)."""
+
+    predicted_s: float | None = None  # the last step's predicted time (None before the model is fitted)
+    measured_s: float | None = None  # and its measured time
+    median_error: float | None = None  # median |predicted - measured| / measured over recent steps
+    coefficients: Mapping[str, float] | None = None  # seconds per unit of each term
+    shaped_steps: int = 0
+    batch_tokens_deferred: int = 0
+
+
+@dataclass(slots=True, frozen=True)
 class SchedulerSnapshot:
     step: int  # how many steps were scheduled before it
     by_class: Mapping[str, ClassLoad]  # class name -> its requests by state
@@ -48,6 +60,7 @@ class SchedulerSnapshot:
     bytes_per_block: int = 0
     num_finished: int = 0
     num_aborted: int = 0
+    step_cost: StepCostStats = field(default_factory=StepCostStats)
 
     @property
     def running(self) -> int:

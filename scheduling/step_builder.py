@@ -1,11 +1,14 @@
-"""One step's plan as it is built: the sequences chosen so far and the tokens left in its budget."""
+"""One step's plan as it is built: the sequences chosen so far, the tokens left in its budget, the work
+the cost model counts, and the time left for shaped work."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from gpu.plan import ScheduledSequence, StepPlan
-from scheduling.request import Request
+from scheduling.block_manager import KVBlockManager
+from scheduling.request import PriorityClass, Request
+from scheduling.step_cost import StepWork
 
 
 @dataclass(slots=True)
@@ -14,6 +17,13 @@ class StepBuilder:
 
     plan: StepPlan
     tokens_left: int  # of max_num_batched_tokens
+    blocks: KVBlockManager  # for each sequence's block table
+    work: StepWork = field(default_factory=StepWork)
+    # Step shaping (see Scheduler._open_shaped_budget): None while unshaped.
+    shaped_time_left_s: float | None = None
+    shaping_decided: bool = False
+    batch_floor_tokens: int = 0  # batch_min_share's tokens, which shaping never takes from batch
+    batch_tokens: int = 0
 
     def add(self, request: Request, num_new: int) -> None:
         """Schedule the request's next num_new tokens (a prefill chunk, a resume chunk or one decode)."""
@@ -23,7 +33,7 @@ class StepBuilder:
             request_id=request.request_id,
             token_ids=request.token_ids[start:start + num_new],
             start_position=start,
-            block_table=list(request.block_ids),
+            block_table=self.blocks.block_table(request.request_id),
             needs_sample=needs_sample,
             sampling=request.sampling,
         )
@@ -34,3 +44,6 @@ class StepBuilder:
             sequence.prompt_token_ids = tuple(request.prompt_token_ids)  # the tokens its rows predict
         self.plan.sequences.append(sequence)
         self.tokens_left -= num_new
+        self.work.add_sequence(num_new, start)
+        if request.priority is PriorityClass.BATCH:
+            self.batch_tokens += num_new

@@ -74,6 +74,7 @@ class TenantRegistry:
         self.requires_auth = requires_auth
         self._key_hashes = [(h.encode(), t) for t in self._tenants.values() for h in t.api_key_hashes]
         self._admin_key_hashes = [h.encode() for h in admin_key_hashes]
+        self._stand_ins: dict[str, Tenant] = {}
 
     @classmethod
     def single_default(cls) -> TenantRegistry:
@@ -83,8 +84,14 @@ class TenantRegistry:
         return iter(self._tenants.values())
 
     def get(self, tenant_id: str) -> Tenant:
-        """The tenant, or an unlimited weight-1 stand-in for ids not in the file (tests, tools)."""
-        return self._tenants.get(TenantId(tenant_id)) or Tenant(TenantId(tenant_id))
+        """The tenant, or an unlimited weight-1 stand-in for ids not in the file (tests, tools). The
+        scheduler asks for every sequence of every step, so stand-ins are made once."""
+        found = self._tenants.get(TenantId(tenant_id))
+        if found is None:
+            found = self._stand_ins.get(tenant_id)
+            if found is None:
+                found = self._stand_ins[tenant_id] = Tenant(TenantId(tenant_id))
+        return found
 
     def weight(self, tenant_id: str) -> float:
         return self.get(tenant_id).weight

@@ -124,6 +124,10 @@ class BatchStore:
     async def item_counts(self, batch_id: str) -> dict[str, int]:
         return await self._db.run(finish.item_counts, batch_id)
 
+    async def count_batches(self) -> dict[tuple[str, str], int]:
+        """Batches by (tenant, status), every batch ever stored: what /metrics reports."""
+        return await self._db.run(_count_batches)
+
 
 # ---- on the database thread ---------------------------------------------------------------
 
@@ -227,3 +231,8 @@ def _update_result(db: sqlite3.Connection, batch_id: str, line: int, succeeded: 
         return db.execute(
             "UPDATE batch_items SET state = ?, result = ? WHERE batch_id = ? AND line = ? AND state = 'pending'",
             ("succeeded" if succeeded else "failed", finish.dump_line(result), batch_id, line)).rowcount > 0
+
+
+def _count_batches(db: sqlite3.Connection) -> dict[tuple[str, str], int]:
+    rows = db.execute("SELECT tenant, status, COUNT(*) FROM batches GROUP BY tenant, status")
+    return {(tenant, status): count for tenant, status, count in rows}

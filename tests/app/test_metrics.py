@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -43,13 +44,16 @@ class Scrape:
     types: dict[str, str]
 
     @classmethod
-    def parse(cls, text: str) -> Scrape:
+    def parse(cls, text: str, model_name: str = "default") -> Scrape:
+        """Every sample must carry model_name (as in vLLM); it is checked here and left out of the keys."""
         samples: dict[tuple[str, frozenset[tuple[str, str]]], float] = {}
         types: dict[str, str] = {}
         for family in text_string_to_metric_families(text):
             types[family.name] = family.type
             for sample in family.samples:
-                samples[(sample.name, frozenset(sample.labels.items()))] = sample.value
+                labels = dict(sample.labels)
+                assert labels.pop("model_name", None) == model_name, (sample.name, sample.labels)
+                samples[(sample.name, frozenset(labels.items()))] = sample.value
         return cls(samples, types)
 
     def get(self, name: str, labels: Mapping[str, str] | None = None) -> float | None:
@@ -146,6 +150,25 @@ async def test_scheduler_state_is_read_at_scrape_time() -> None:
     assert all(value > 0 for value in vtc.values()), vtc
     # The registry's tenants only: the unknown caller's counter is not a label value.
     assert after.get("fairlane:tenant_vtc_counter", {"tenant": "unknown", "class": "interactive"}) is None
+
+
+async def test_step_time_and_shaping_series() -> None:
+    engine, observability = observed_engine()
+    before = scrape(observability.metrics)
+    assert math.isnan(before.value("fairlane:step_time_measured_seconds"))
+    assert before.value("fairlane:batch_tokens_deferred_total") == 0
+
+    async with running(engine):  # enough steps for the cost model to fit
+        for stream in [engine.submit(timed_request(8, 24, "alice", priority)) for priority in (INTERACTIVE, BATCH)]:
+            await collect(stream)
+        after = scrape(observability.metrics)
+
+    stats = engine.stats()["step_cost"]
+    assert after.value("fairlane:step_time_measured_seconds") == stats["measured_s"] > 0
+    assert after.value("fairlane:step_time_predicted_seconds") == stats["predicted_s"] >= 0
+    assert after.value("fairlane:step_cost_model_error") == stats["median_error"] >= 0
+    assert after.value("fairlane:shaped_steps_total") == stats["shaped_steps"]
+    assert after.types["fairlane:batch_tokens_deferred"] == "counter"
 
 
 def test_queue_and_kv_gauges_while_requests_wait() -> None:
@@ -266,7 +289,7 @@ def http_scrape(server: ServerThread) -> Scrape:
     response = httpx.get(f"{server.base_url}/metrics", timeout=10)
     response.raise_for_status()
     assert response.headers["content-type"].startswith("text/plain")
-    return Scrape.parse(response.text)
+    return Scrape.parse(response.text, server.model_name)
 
 
 def generate(server: ServerThread, path: str, body: dict[str, Any]) -> dict[str, Any]:

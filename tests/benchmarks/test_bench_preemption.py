@@ -37,7 +37,7 @@ def test_every_run_serves_every_interactive_request(bench_files: tuple[dict[str,
     assert list(runs) == [spec.name for spec in RUNS]
     num_arrivals = len(interactive_arrivals(TRAFFIC))
     assert report["traffic"]["interactive_requests"] == num_arrivals > 0
-    for name in ("interactive_alone", "fcfs", "priority_swap"):
+    for name in ("interactive_alone", "fcfs", "priority_swap", "priority_swap_budget"):
         inter = runs[name]["interactive"]
         assert inter["requests"] == num_arrivals, name
         assert 0 < inter["ttft_p50_s"] <= inter["ttft_p99_s"], name
@@ -45,7 +45,7 @@ def test_every_run_serves_every_interactive_request(bench_files: tuple[dict[str,
     assert runs["interactive_alone"]["batch"]["tokens"] == 0
     assert runs["batch_alone"]["interactive"]["requests"] == 0
     assert runs["batch_alone"]["window_s"] == pytest.approx(runs["interactive_alone"]["window_s"])
-    for name in ("batch_alone", "fcfs", "priority_swap"):
+    for name in ("batch_alone", "fcfs", "priority_swap", "priority_swap_budget"):
         assert runs[name]["batch"]["tokens"] > 0, name
 
 
@@ -58,7 +58,11 @@ def test_priority_run_swaps_and_the_report_judges_the_targets(bench_files: tuple
     assert capacity["batch_capacity_tokens_per_s"] == pytest.approx(
         capacity["batch_alone_tokens_per_s"] * (1 - capacity["interactive_busy_share"]))
     assert 0 < capacity["interactive_busy_share"] < 1
-    assert isinstance(targets["ttft_target_met"], bool) and isinstance(targets["batch_target_met"], bool)
+    assert set(targets["met"]) == {"ttft_p99", "itl_p50", "itl_p99", "batch_capacity", "cost_model_error"}
+    assert all(isinstance(met, bool) for met in targets["met"].values())
+    budget = report["runs"]["priority_swap_budget"]["step_cost"]
+    assert budget["shaped_steps"] > 0 and budget["median_error"] >= 0
+    assert report["runs"]["priority_swap"]["step_cost"]["shaped_steps"] == 0  # shaping off there
     timeline = report["timeline"]["priority_swap"]
     assert len(timeline["batch_tokens_per_s"]) == len(timeline["interactive_tokens_per_s"]) >= 1
 
@@ -81,12 +85,17 @@ def test_percentile_interpolates_and_judge_compares_with_the_targets() -> None:
     assert percentile([3.0, 1.0, 2.0], 50) == 2.0
     assert percentile([0.0, 10.0], 99) == pytest.approx(9.9)
 
-    def run(ttft_p99: float | None, tokens_per_s: float, busy: float) -> dict[str, Any]:
-        return {"interactive": {"ttft_p99_s": ttft_p99}, "batch": {"tokens_per_s": tokens_per_s},
-                "busy_share": busy}
+    def run(ttft_p99: float | None, tokens_per_s: float, busy: float, itl: tuple[float, float] = (0.4, 0.5),
+            error: float | None = None) -> dict[str, Any]:
+        return {"interactive": {"ttft_p99_s": ttft_p99, "itl_p50_s": itl[0], "itl_p99_s": itl[1]},
+                "batch": {"tokens_per_s": tokens_per_s}, "busy_share": busy, "step_cost": {"median_error": error}}
 
     verdict = judge({"interactive_alone": run(1.0, 0.0, 0.25), "batch_alone": run(None, 100.0, 0.0),
-                     "priority_swap": run(1.6, 70.0, 0.0)})
+                     "priority_swap_budget": run(1.6, 70.0, 0.0, itl=(0.5, 1.2), error=0.1)})
     assert verdict["capacity"]["batch_capacity_tokens_per_s"] == pytest.approx(75.0)
-    assert verdict["ttft_p99_ratio"] == pytest.approx(1.6) and not verdict["ttft_target_met"]
-    assert verdict["batch_capacity_fraction"] == pytest.approx(70 / 75) and verdict["batch_target_met"]
+    ours = verdict["runs"]["priority_swap_budget"]
+    assert ours["ttft_p99_ratio"] == pytest.approx(1.6) and not verdict["met"]["ttft_p99"]
+    assert ours["itl_p50_ratio"] == pytest.approx(1.25) and verdict["met"]["itl_p50"]
+    assert ours["itl_p99_ratio"] == pytest.approx(2.4) and not verdict["met"]["itl_p99"]
+    assert ours["batch_capacity_fraction"] == pytest.approx(70 / 75) and verdict["met"]["batch_capacity"]
+    assert verdict["met"]["cost_model_error"]

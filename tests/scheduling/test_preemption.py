@@ -63,7 +63,7 @@ def test_interactive_arrival_swaps_out_batch_in_the_very_next_plan() -> None:
     scheduler, executor = fake_scheduler()
     batch = fill_kv_with_batch(scheduler, executor)
     newest = batch[-1]
-    blocks_before, computed_before = list(newest.block_ids), newest.num_computed_tokens
+    blocks_before, computed_before = scheduler.blocks.block_table(newest.request_id), newest.num_computed_tokens
     interactive = make_request(8, 4, priority=INTERACTIVE)
     scheduler.add_request(interactive)
 
@@ -72,7 +72,7 @@ def test_interactive_arrival_swaps_out_batch_in_the_very_next_plan() -> None:
     # The newest batch request gives way; its copies are in this plan, which the runner makes
     # before the forward, so its device blocks can be written by the interactive prefill right away.
     assert newest.status is RequestStatus.SWAPPED
-    assert plan.swap_out == list(zip(blocks_before, newest.cpu_block_ids, strict=True))
+    assert plan.swap_out == list(zip(blocks_before, scheduler.blocks.cpu_blocks(newest.request_id), strict=True))
     assert newest.num_computed_tokens == computed_before
     assert newest.request_id not in ids_in(plan)
     assert interactive.request_id in ids_in(plan)
@@ -94,18 +94,20 @@ def test_swapped_request_keeps_its_progress_and_swaps_in_when_room_returns() -> 
         if not scheduler.has_work():
             break
         was_swapped = newest.status is RequestStatus.SWAPPED
-        computed, tokens, cpu_blocks = newest.num_computed_tokens, list(newest.token_ids), list(newest.cpu_block_ids)
+        computed, tokens = newest.num_computed_tokens, list(newest.token_ids)
+        cpu_blocks = scheduler.blocks.cpu_blocks(newest.request_id)
         plan, _ = run_step(scheduler, executor)
         if not was_swapped:
             continue
         if newest.status is RequestStatus.SWAPPED:  # still out: nothing about it moves
-            assert (newest.num_computed_tokens, newest.token_ids, newest.cpu_block_ids) == (computed, tokens,
-                                                                                             cpu_blocks)
+            still = (newest.num_computed_tokens, newest.token_ids, scheduler.blocks.cpu_blocks(newest.request_id))
+            assert still == (computed, tokens, cpu_blocks)
             assert not [pair for pair in plan.swap_in if pair[0] in cpu_blocks]
         else:  # back in: its CPU blocks are copied to device blocks in this plan, nothing recomputed
             num_swap_ins += 1
             its_pairs = [pair for pair in plan.swap_in if pair[0] in cpu_blocks]
-            assert its_pairs == list(zip(cpu_blocks, newest.block_ids[:len(cpu_blocks)], strict=True))
+            device_blocks = scheduler.blocks.block_table(newest.request_id)[:len(cpu_blocks)]
+            assert its_pairs == list(zip(cpu_blocks, device_blocks, strict=True))
             resumed = next(s for s in plan.sequences if s.request_id == newest.request_id)
             assert resumed.start_position == computed
     assert num_swap_ins >= 1 and newest.num_preemptions == num_swap_ins

@@ -337,7 +337,8 @@ def test_fcfs_queue_is_arrival_order_across_tenants() -> None:
 
 
 def held_blocks(sim: FairnessSim, tenant: str) -> int:
-    return sum(len(r.block_ids) for r in sim.scheduler.running if r.tenant_id == tenant)
+    blocks = sim.scheduler.blocks
+    return sum(blocks.num_device_blocks(r.request_id) for r in sim.scheduler.running if r.tenant_id == tenant)
 
 
 @pytest.mark.parametrize("kv_share_limit", [True, False])

@@ -1,0 +1,136 @@
+"""A step's predicted time from what it holds, fitted online from the measured steps.
+
+The model is linear in four counts of a step (`StepWork`): a fixed cost, a cost per token computed,
+a cost per sequence (its sampling and bookkeeping), and an attention term, the context each new
+token reads. Swap copies are a fifth term. On a GPU the fixed and per-sequence costs dominate
+small steps; on a CPU the per-token cost does: the fit finds out which on the machine it runs on.
+
+It is refitted every few steps over a sliding window, by least squares that give outliers (a
+garbage collection, a page fault) less weight (Huber weights, a few reweighting rounds) and keep
+every coefficient non-negative (a negative cost would let the shaper add work for free). Its error
+is the median absolute relative error of the predictions made before each step, on the steps that
+followed them.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from statistics import median
+
+import numpy as np
+
+NUM_TERMS = 5  # fixed, tokens, sequences, attention, swapped blocks
+ATTENTION_UNIT = 1000.0  # context positions read per unit of the attention term, to keep terms of one scale
+
+
+@dataclass(slots=True)
+class StepWork:
+    """What a step holds, as the cost model counts it."""
+
+    tokens: int = 0
+    sequences: int = 0
+    attention: float = 0.0  # sum over sequences of new tokens x the context they read, / ATTENTION_UNIT
+    swapped_blocks: int = 0
+
+    def add_sequence(self, num_new: int, start_position: int) -> None:
+        self.tokens += num_new
+        self.sequences += 1
+        self.attention += sequence_attention(num_new, start_position)
+
+    def terms(self) -> tuple[float, ...]:
+        return (1.0, float(self.tokens), float(self.sequences), self.attention, float(self.swapped_blocks))
+
+
+def sequence_attention(num_new: int, start_position: int) -> float:
+    """Context positions read by num_new tokens starting at start_position (each reads those before it)."""
+    return num_new * (start_position + (num_new + 1) / 2) / ATTENTION_UNIT
+
+
+@dataclass(slots=True, frozen=True)
+class CostCoefficients:
+    """Seconds per unit of each term; a step's prediction is their dot product with its terms."""
+
+    fixed_s: float
+    per_token_s: float
+    per_sequence_s: float
+    per_attention_s: float
+    per_swapped_block_s: float
+
+    def predict(self, work: StepWork) -> float:
+        return (self.fixed_s + self.per_token_s * work.tokens + self.per_sequence_s * work.sequences
+                + self.per_attention_s * work.attention + self.per_swapped_block_s * work.swapped_blocks)
+
+    def added_by(self, num_new: int, start_position: int) -> float:
+        """The cost one more sequence of num_new tokens from start_position adds to a step."""
+        return (self.per_token_s * num_new + self.per_sequence_s
+                + self.per_attention_s * sequence_attention(num_new, start_position))
+
+
+class StepCostModel:
+    def __init__(self, window: int = 256, refit_every: int = 8, min_samples: int = 16) -> None:
+        self.window = window
+        self.refit_every = refit_every
+        self.min_samples = min_samples
+        self._samples: deque[tuple[tuple[float, ...], float]] = deque(maxlen=window)
+        self._errors: deque[float] = deque(maxlen=window)  # |predicted - measured| / measured
+        self._since_fit = 0
+        self.coefficients: CostCoefficients | None = None  # None until min_samples steps were seen
+        self.last_predicted_s: float | None = None
+        self.last_measured_s: float | None = None
+
+    def predict(self, work: StepWork) -> float | None:
+        return None if self.coefficients is None else self.coefficients.predict(work)
+
+    def observe(self, work: StepWork, measured_s: float) -> None:
+        """Record a step that took measured_s; its prediction, if there was one, counts toward the error."""
+        predicted = self.predict(work)
+        if predicted is not None and measured_s > 0:
+            self._errors.append(abs(predicted - measured_s) / measured_s)
+        self.last_predicted_s, self.last_measured_s = predicted, measured_s
+        self._samples.append((work.terms(), measured_s))
+        self._since_fit += 1
+        if len(self._samples) >= self.min_samples and (self.coefficients is None
+                                                        or self._since_fit >= self.refit_every):
+            self.coefficients = fit(self._samples)
+            self._since_fit = 0
+
+    @property
+    def median_error(self) -> float | None:
+        """Median absolute relative error of the recent predictions."""
+        return median(self._errors) if self._errors else None
+
+
+def fit(samples: deque[tuple[tuple[float, ...], float]], rounds: int = 3) -> CostCoefficients:
+    terms = np.array([s[0] for s in samples], dtype=np.float64)
+    times = np.array([s[1] for s in samples], dtype=np.float64)
+    weights = np.ones(len(times))
+    coefficients = np.zeros(NUM_TERMS)
+    for _ in range(rounds):
+        coefficients = nonnegative_least_squares(terms * weights[:, None], times * weights)
+        weights = huber_weights(times - terms @ coefficients)
+    return CostCoefficients(*(float(c) for c in coefficients))
+
+
+def nonnegative_least_squares(terms: np.ndarray, times: np.ndarray) -> np.ndarray:
+    """Least squares with the terms whose coefficient comes out negative dropped, one at a time (with
+    five terms, a plain active-set loop is enough). Terms that never vary are dropped too."""
+    active = [i for i in range(terms.shape[1]) if i == 0 or np.ptp(terms[:, i]) > 0]
+    coefficients = np.zeros(terms.shape[1])
+    while active:
+        solved, *_ = np.linalg.lstsq(terms[:, active], times, rcond=None)
+        if (solved >= 0).all():
+            coefficients[active] = solved
+            break
+        active.pop(int(np.argmin(solved)))
+    return coefficients
+
+
+def huber_weights(residuals: np.ndarray, k: float = 1.5) -> np.ndarray:
+    """Weights that leave residuals within k robust standard deviations alone and shrink the rest."""
+    scale = 1.4826 * float(np.median(np.abs(residuals - np.median(residuals))))
+    if scale <= 0:
+        return np.ones(len(residuals))
+    ratio = np.abs(residuals) / (k * scale)
+    weights: np.ndarray = np.sqrt(np.minimum(1.0, 1.0 / np.maximum(ratio, 1e-12)))
+    return weights

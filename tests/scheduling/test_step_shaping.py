@@ -1,0 +1,173 @@
+"""Step shaping on the simulated executor: while interactive work is active, every step's predicted
+time stays within the interactive target, batch work keeps its floor, and with no interactive work
+batch gets whole steps again. The cost model recovers a known cost from noisy steps."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import pytest
+
+from benchmarks.fake_executors import FakeExecutor
+from gpu.plan import StepPlan
+from scheduling.request import PriorityClass, Request
+from scheduling.scheduler import Scheduler, SchedulerConfig
+from scheduling.step_cost import StepCostModel, StepWork
+from scheduling.step_shaper import ShapingConfig, work_of
+from tests.factories import make_request, make_scheduler
+
+BATCH, INTERACTIVE = PriorityClass.BATCH, PriorityClass.INTERACTIVE
+
+
+@dataclass(slots=True, frozen=True)
+class KnownCost:
+    """The simulated step time: what the cost model has to find."""
+
+    fixed_s: float = 0.010
+    per_token_s: float = 0.002
+    per_sequence_s: float = 0.0005
+
+    def seconds(self, plan: StepPlan) -> float:
+        if not plan.sequences:
+            return 0.0
+        return self.fixed_s + self.per_token_s * plan.num_tokens + self.per_sequence_s * len(plan.sequences)
+
+
+# ---- the cost model ------------------------------------------------------------------------------
+
+
+def test_cost_model_recovers_a_known_cost_through_noise_and_outliers() -> None:
+    rng, truth, model = random.Random(0), KnownCost(), StepCostModel()
+    for step in range(300):
+        work = StepWork()
+        for _ in range(rng.randint(1, 16)):
+            work.add_sequence(rng.choice([1, 1, 1, rng.randint(2, 64)]), rng.randint(0, 200))
+        seconds = truth.fixed_s + truth.per_token_s * work.tokens + truth.per_sequence_s * work.sequences
+        seconds *= rng.uniform(0.95, 1.05)
+        if step % 25 == 0:
+            seconds *= 5  # a pause the model should not learn from
+        model.observe(work, seconds)
+
+    fitted = model.coefficients
+    assert fitted is not None
+    assert fitted.per_token_s == pytest.approx(truth.per_token_s, rel=0.1)
+    assert fitted.fixed_s == pytest.approx(truth.fixed_s, rel=0.3)
+    assert all(value >= 0 for value in (fitted.per_sequence_s, fitted.per_attention_s, fitted.per_swapped_block_s))
+    assert model.median_error is not None and model.median_error < 0.05
+
+
+def test_cost_model_predicts_nothing_before_it_has_seen_enough_steps() -> None:
+    model = StepCostModel(min_samples=16)
+    for _ in range(15):
+        model.observe(StepWork(tokens=4, sequences=4), 0.01)
+    assert model.predict(StepWork(tokens=4, sequences=4)) is None
+
+
+# ---- shaping -----------------------------------------------------------------------------------
+
+
+class Simulation:
+    """A scheduler fed its step times by a simulated executor, as the engine feeds it real ones."""
+
+    def __init__(self, shaping: ShapingConfig, batch_min_share: float = 0.0, backlog: int = 12) -> None:
+        config = SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=128, batch_min_share=batch_min_share,
+                                 shaping=shaping)
+        self.scheduler: Scheduler = make_scheduler(config, num_device_blocks=512, num_cpu_blocks=256)
+        self.executor = FakeExecutor(self.scheduler.geometry, KnownCost())
+        self.rng = random.Random(1)
+        self.backlog = backlog
+        self.batch: list[Request] = []
+
+    def top_up_batch(self) -> None:
+        self.batch = [r for r in self.batch if not r.status.is_finished]
+        while len(self.batch) < self.backlog:
+            request = make_request(self.rng.randint(16, 48), self.rng.randint(32, 96), priority=BATCH)
+            self.scheduler.add_request(request)
+            self.batch.append(request)
+
+    def step(self) -> StepPlan:
+        plan = self.scheduler.schedule()
+        self.scheduler.update(plan, self.executor.execute(plan))
+        self.scheduler.observe_step_time(plan, self.executor.costs.seconds(plan))
+        return plan
+
+    def warm_up(self, steps: int = 40) -> None:
+        for _ in range(steps):
+            self.top_up_batch()
+            self.step()
+        assert self.scheduler.shaper.cost_model.coefficients is not None
+
+    def batch_tokens(self, plan: StepPlan) -> int:
+        batch_ids = {r.request_id for r in self.batch}
+        return sum(len(s.token_ids) for s in plan.sequences if s.request_id in batch_ids)
+
+    def interactive_work(self, plan: StepPlan) -> StepWork:
+        batch_ids = {r.request_id for r in self.batch}
+        work = StepWork(swapped_blocks=len(plan.swap_out))
+        for seq in plan.sequences:
+            if seq.request_id not in batch_ids:
+                work.add_sequence(len(seq.token_ids), seq.start_position)
+        return work
+
+
+def shaped_steps(sim: Simulation, num_interactive: int = 6) -> list[tuple[StepPlan, float, float, int]]:
+    """Run interactive requests over the batch backlog; for each step while one is active: the plan,
+    its predicted time, the predicted time of its interactive work, and the batch tokens it held."""
+    sim.warm_up()
+    interactive = [make_request(sim.rng.randint(8, 40), 24, priority=INTERACTIVE) for _ in range(num_interactive)]
+    records, pending = [], list(interactive)
+    for step in range(2000):
+        if step % 10 == 0 and pending:
+            sim.scheduler.add_request(pending.pop())
+        if not pending and all(r.status.is_finished for r in interactive):
+            break
+        sim.top_up_batch()
+        active = any(not r.status.is_finished for r in interactive if r.request_id in sim.scheduler.requests)
+        plan = sim.scheduler.schedule()
+        model = sim.scheduler.shaper.cost_model
+        if active:
+            total, alone = model.predict(work_of(plan)), model.predict(sim.interactive_work(plan))
+            assert total is not None and alone is not None
+            records.append((plan, total, alone, sim.batch_tokens(plan)))
+        sim.scheduler.update(plan, sim.executor.execute(plan))
+        sim.scheduler.observe_step_time(plan, sim.executor.costs.seconds(plan))
+    assert all(r.status.is_finished for r in interactive)
+    return records
+
+
+def test_predicted_step_time_stays_within_the_derived_target_while_interactive_is_active() -> None:
+    records = shaped_steps(Simulation(ShapingConfig(interactive_itl_slack=1.25)))
+    assert len(records) > 50
+    for _, total, alone, _ in records:
+        assert total <= 1.25 * alone * (1 + 1e-9)
+    assert sum(batch for *_, batch in records) > 0  # batch was slowed down, not stopped
+    assert max(batch for *_, batch in records) < 12  # and it could have run all 12 decodes otherwise
+
+
+def test_a_fixed_target_bounds_every_step_that_batch_work_shares() -> None:
+    target_s = 0.040
+    records = shaped_steps(Simulation(ShapingConfig(interactive_itl_target_s=target_s)))
+    for _, total, alone, batch in records:
+        assert total <= max(target_s, alone) * (1 + 1e-9) or batch == 0
+
+
+def test_batch_keeps_its_floor_under_shaping() -> None:
+    sim = Simulation(ShapingConfig(interactive_itl_slack=1.0), batch_min_share=0.125)  # 16 of 128 tokens
+    records = shaped_steps(sim)
+    # With a slack of 1.0 shaping alone would leave batch nothing; the floor still runs its decodes.
+    assert all(batch >= min(16, sim.backlog) for *_, batch in records)
+
+
+def test_without_interactive_work_batch_gets_whole_steps_again() -> None:
+    sim = Simulation(ShapingConfig())
+    shaped_steps(sim)
+    running_batch = sum(r.priority is BATCH for r in sim.scheduler.running)
+    plan = sim.step()
+    assert running_batch > 0 and sim.batch_tokens(plan) >= running_batch
+    assert sim.scheduler.snapshot().step_cost.batch_tokens_deferred > 0
+
+
+def test_shaping_off_leaves_batch_decodes_beside_interactive_ones() -> None:
+    records = shaped_steps(Simulation(ShapingConfig(enabled=False)))
+    assert max(batch for *_, batch in records) >= 12

@@ -13,12 +13,20 @@ from collections.abc import Sequence
 
 from app.cli import SubcommandRegistrar
 from app.cli import main as app_main
-from benchmarks import bench_engine, bench_fairness, bench_preemption, bench_prefix, bench_quality, bench_stream
+from benchmarks import (
+    bench_engine,
+    bench_fairness,
+    bench_preemption,
+    bench_prefix,
+    bench_quality,
+    bench_scheduler,
+    bench_stream,
+)
 from loadtest import bench_serve
 
 BENCH_COMMANDS: tuple[SubcommandRegistrar, ...] = (
     bench_engine.add_command, bench_stream.add_command, bench_prefix.add_command, bench_fairness.add_command,
-    bench_preemption.add_command, bench_quality.add_command, bench_serve.add_command)
+    bench_preemption.add_command, bench_scheduler.add_command, bench_quality.add_command, bench_serve.add_command)
 
 
 def add_bench_command(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

@@ -175,10 +175,12 @@ class KVBlockManager:
     def allocate(self, request: Request, num_new_tokens: int, cached_prefix: tuple[int, ...] = ()) -> bool:
         """Give the request room for num_new_tokens more tokens, first sharing `cached_prefix` (from
         `cached_prefix()`, for a request holding nothing). False, and nothing changed, if it does not fit."""
+        held = self._tables.get(request.request_id)
+        if held is not None and -(-(request.num_computed_tokens + num_new_tokens) // self.block_size) <= len(
+                held.device):
+            return True  # the common decode: the last block still has room (and nothing is shared when holding)
         num_computed = request.num_computed_tokens + len(cached_prefix) * self.block_size
         num_fresh = self.blocks_needed(request, num_new_tokens, num_computed) - len(cached_prefix)
-        if num_fresh == 0 and not cached_prefix and request.request_id in self._tables:
-            return True  # the common decode: the last block still has room
         # A cached block nobody holds sits in the free queue: sharing it takes it out.
         if num_fresh + sum(self.device.is_free(b) for b in cached_prefix) > self.device.num_free:
             return False

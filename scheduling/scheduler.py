@@ -211,7 +211,7 @@ class Scheduler:
         `interactive_demand` tokens for waiting interactive requests (less its batch_min_share).
         Returns whether any was preempted."""
         pending = deque(sorted(self.running, key=lambda r: (r.priority.rank, r.num_uncomputed_tokens > 1)))
-        reserve = self._batch_reserve()
+        reserve = step.batch_floor_tokens
         held_for_interactive = min(interactive_demand.tokens, self.config.max_num_batched_tokens - reserve)
         preempted = False
         while pending:

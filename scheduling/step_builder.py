@@ -1,14 +1,13 @@
-"""One step's plan as it is built: the sequences chosen so far, the tokens left in its budget, the work
-the cost model counts, and the time left for shaped work."""
+"""One step's plan as it is built: the sequences chosen so far, the tokens left in its budget, and the
+time left for shaped work."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from gpu.plan import ScheduledSequence, StepPlan
 from scheduling.block_manager import KVBlockManager
 from scheduling.request import PriorityClass, Request
-from scheduling.step_cost import StepWork
 
 
 @dataclass(slots=True)
@@ -18,7 +17,6 @@ class StepBuilder:
     plan: StepPlan
     tokens_left: int  # of max_num_batched_tokens
     blocks: KVBlockManager  # for each sequence's block table
-    work: StepWork = field(default_factory=StepWork)
     # Step shaping (see Scheduler._open_shaped_budget): None while unshaped.
     shaped_time_left_s: float | None = None
     shaping_decided: bool = False
@@ -44,6 +42,5 @@ class StepBuilder:
             sequence.prompt_token_ids = tuple(request.prompt_token_ids)  # the tokens its rows predict
         self.plan.sequences.append(sequence)
         self.tokens_left -= num_new
-        self.work.add_sequence(num_new, start)
         if request.priority is PriorityClass.BATCH:
             self.batch_tokens += num_new

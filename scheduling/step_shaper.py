@@ -69,7 +69,7 @@ class StepShaper:
         coefficients = self.cost_model.coefficients
         if not self.config.enabled or coefficients is None or not interactive_active:
             return
-        interactive = combined(step.work, interactive_demand, len(step.plan.swap_out))
+        interactive = combined(work_of(step.plan, swaps=False), interactive_demand, len(step.plan.swap_out))
         predicted = coefficients.predict(interactive)
         step.shaped_time_left_s = max(0.0, self._target_s(predicted) - predicted)
         self.counters.shaped_steps += 1
@@ -114,8 +114,9 @@ def combined(work: StepWork, other: StepWork, swapped_blocks: int) -> StepWork:
                     swapped_blocks)
 
 
-def work_of(plan: StepPlan) -> StepWork:
-    work = StepWork(swapped_blocks=len(plan.swap_out) + len(plan.swap_in))
+def work_of(plan: StepPlan, swaps: bool = True) -> StepWork:
+    """What the plan holds, as the cost model counts it (counted when needed: not for every sequence added)."""
+    work = StepWork(swapped_blocks=len(plan.swap_out) + len(plan.swap_in) if swaps else 0)
     for seq in plan.sequences:
         work.add_sequence(len(seq.token_ids), seq.start_position)
     return work

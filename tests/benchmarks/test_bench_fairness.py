@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,19 @@ import pytest
 from benchmarks.bench_fairness import FairnessWorkload, RpmLimiter, TenantLoad, make_arrivals
 from benchmarks.cli import main
 from loadtest.stats import jain_index, percentile
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+README_COMMAND = ".venv/bin/fairlane bench fairness --out data/bench_fairness.json --plot data/bench_fairness.png"
+
+
+def readme_output_of(command: str) -> str:
+    """The README's code block that follows the block showing `command`: what the command printed."""
+    text = README.read_text(encoding="utf-8")
+    after_command = text[text.index(command):]
+    after_its_block = after_command[after_command.index("```") + 3:]
+    found = re.search(r"```\n(.*?)\n```", after_its_block, flags=re.DOTALL)
+    assert found is not None, f"no output block after {command!r} in README.md"
+    return found[1]
 
 
 def test_bench_fairness_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -67,3 +81,12 @@ def test_jain_index_and_percentile() -> None:
     assert jain_index([1.0, 0.0, 0.0, 0.0]) == pytest.approx(0.25)
     assert percentile([5.0, 1.0, 3.0, 2.0, 4.0], 50) == 3.0
     assert percentile([float(x) for x in range(1, 101)], 99) == pytest.approx(99.01)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)  # the full default trace: a few minutes on a small machine
+def test_readme_table_is_what_the_command_prints(capsys: pytest.CaptureFixture[str]) -> None:
+    """In virtual time the output is exact, so README's table is checked line for line: a change that
+    moves any number fails here until README shows the new output."""
+    assert main(["bench", "fairness"]) == 0
+    assert capsys.readouterr().out.strip() == readme_output_of(README_COMMAND).strip()

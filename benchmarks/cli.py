@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from app.cli import SubcommandRegistrar
 from app.cli import main as app_main
 from benchmarks import (
+    bench_cluster,
     bench_engine,
     bench_fairness,
     bench_preemption,
@@ -22,11 +23,13 @@ from benchmarks import (
     bench_scheduler,
     bench_stream,
 )
+from cluster.cli import extend_serve_command
 from loadtest import bench_serve
 
 BENCH_COMMANDS: tuple[SubcommandRegistrar, ...] = (
     bench_engine.add_command, bench_stream.add_command, bench_prefix.add_command, bench_fairness.add_command,
-    bench_preemption.add_command, bench_scheduler.add_command, bench_quality.add_command, bench_serve.add_command)
+    bench_preemption.add_command, bench_scheduler.add_command, bench_quality.add_command, bench_serve.add_command,
+    bench_cluster.add_command)
 
 
 def add_bench_command(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -37,7 +40,7 @@ def add_bench_command(subparsers: argparse._SubParsersAction[argparse.ArgumentPa
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return app_main(argv, extra_commands=(add_bench_command,))
+    return app_main(argv, extra_commands=(extend_serve_command, add_bench_command))
 
 
 if __name__ == "__main__":

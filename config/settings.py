@@ -58,7 +58,7 @@ class Settings(BaseModel):
     # predicted time within the interactive target (scheduling/step_shaper.py).
     step_shaping: bool = True
     interactive_itl_target_ms: float | None = Field(default=None, gt=0)  # fixed; None: derived as below
-    interactive_itl_slack: float = Field(default=1.25, ge=1.0)  # target = this x the interactive work's own time
+    interactive_itl_slack: float = Field(default=1.1, ge=1.0)  # target = this x the interactive work's own time
     enable_prefix_caching: bool = True
     queue_policy: Literal["vtc", "fcfs"] = "vtc"
     vtc_prompt_weight: float = Field(default=1.0, gt=0)  # w_p, per prompt token computed
@@ -96,6 +96,18 @@ class Settings(BaseModel):
 
     # Engine health.
     engine_stall_s: float = Field(default=60.0, gt=0)  # work waiting and no step finished for this long: unhealthy
+
+    # Replicas on Ray Serve (cluster/; `fairlane serve --replicas N`).
+    replicas: int = Field(default=1, ge=1)  # engine replicas; more than one (or a ray_address) serves on Ray
+    ray_address: str | None = None  # join this Ray cluster instead of starting a local instance
+    # Which replica a request goes to: prefix_load (ours: the longest cached part of its salted block-hash
+    # chain unless that replica is overloaded), pow2 (Ray Serve's default), prefix_affinity (Ray's LLM router).
+    cluster_router: Literal["prefix_load", "pow2", "prefix_affinity"] = "prefix_load"
+    router_max_imbalance: int = Field(default=4, ge=0)  # in-flight requests more than the least loaded: overloaded
+    router_max_kv_use: float = Field(default=0.9, gt=0, le=1)  # KV share in use past which a replica is overloaded
+    cluster_stats_period_s: float = Field(default=0.5, gt=0)  # how often replicas report load to the router
+    share_vtc: bool = True  # fold the other replicas' service into each replica's VTC counters
+    vtc_sync_interval_s: float = Field(default=0.1, gt=0)  # how often replicas exchange per-tenant service
 
     @model_validator(mode="after")
     def _check_budgets(self) -> Settings:

@@ -147,18 +147,7 @@ class Engine:
 
     def submit(self, request: Request) -> RequestStream:
         """Queue a request; its events arrive on the returned stream. Raises when full or stopping."""
-        if self.failure is not None:
-            raise EngineStopped(f"the engine has failed: {self.failure}")
-        if not self._accepting:
-            raise EngineStopped("the server is shutting down")
-        self._check_room(request.tenant_id)
-        self.scheduler.check_admissible(request.num_prompt_tokens, request.max_tokens)
-        stream = RequestStream(self, request)
-        if not self._streams:
-            self._last_progress = time.monotonic()  # an idle engine has not stalled
-        self._streams[request.request_id] = stream
-        self._in_flight_by_tenant[request.tenant_id] += 1
-        self._idle.clear()
+        stream = self.track(request)
         self._incoming.append(request)
         self._wake.set()
         return stream
@@ -366,3 +355,29 @@ class Engine:
         self.times.busy_seconds += seconds
         self.times.forward_seconds += result.forward_seconds
         self.times.swap_seconds += result.swap_seconds
+
+    # ---- requests whose steps run on another engine (a cluster replica, see cluster/) -------
+
+    def track(self, request: Request) -> RequestStream:
+        """Check and register a request without queueing it for this engine's scheduler: `submit` then
+        queues it; on a cluster's ingress another engine runs its steps, and its events come back
+        through `deliver`. The checks (failure, shutdown, queue share, context length) and the
+        observers stay this engine's."""
+        if self.failure is not None:
+            raise EngineStopped(f"the engine has failed: {self.failure}")
+        if not self._accepting:
+            raise EngineStopped("the server is shutting down")
+        self._check_room(request.tenant_id)
+        self.scheduler.check_admissible(request.num_prompt_tokens, request.max_tokens)
+        stream = RequestStream(self, request)
+        if not self._streams:
+            self._last_progress = time.monotonic()  # an idle engine has not stalled
+        self._streams[request.request_id] = stream
+        self._in_flight_by_tenant[request.tenant_id] += 1
+        self._idle.clear()
+        return stream
+
+    def deliver(self, events: list[TokenEvent]) -> None:
+        """Events of tracked requests, as the engine running them sent them: to their streams and to
+        the observers, as this engine's own steps would; events of requests no longer tracked are dropped."""
+        self._dispatch(events)

@@ -31,7 +31,7 @@ from scheduling.step_cost import StepCostModel, StepWork
 class ShapingConfig:
     enabled: bool = True
     interactive_itl_target_s: float | None = None  # a fixed target; None derives it from the interactive work
-    interactive_itl_slack: float = 1.25  # the derived target: this times the interactive work's predicted time
+    interactive_itl_slack: float = 1.1  # the derived target: this times the interactive work's predicted time
 
 
 @dataclass(slots=True)

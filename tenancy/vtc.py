@@ -50,3 +50,10 @@ class VirtualTokenCounter:
         floor = min(others) if others else max(self._counters.values(), default=0.0)
         if floor > self.get(tenant_id):
             self._counters[tenant_id] = floor
+
+    def charge_service(self, tenant_id: str, service: float) -> None:
+        """Charge service the tenant received elsewhere (on another replica), in the unweighted units of
+        `service()`: with every replica folding in the others' service, a tenant's counter counts all of
+        it, so its share holds across replicas and not only within each."""
+        if service:
+            self._counters[tenant_id] = self.get(tenant_id) + service / self._tenant_weight(tenant_id)

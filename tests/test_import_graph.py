@@ -11,7 +11,7 @@ from __future__ import annotations
 import grimp
 import pytest
 
-PACKAGES = ("app", "scheduling", "tenancy", "gpu", "config", "loadtest", "benchmarks")
+PACKAGES = ("app", "scheduling", "tenancy", "gpu", "config", "loadtest", "benchmarks", "cluster")
 
 
 @pytest.fixture(scope="module")

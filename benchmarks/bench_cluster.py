@@ -1,0 +1,247 @@
+"""`fairlane bench cluster`: replicas on Ray Serve, through the OpenAI API on loopback.
+
+Three questions, each on fresh local clusters of `--model` (default builtin:tiny):
+- routing: a shared-prefix workload (each tenant its own long system prompt, short distinct
+  questions) through our prefix- and load-aware router, Ray Serve's default power-of-two-choices
+  router and its PrefixCacheAffinityRouter: the replicas' prefix-cache hit rate and TTFT.
+- fairness: one tenant floods both replicas while two others each keep to one replica (their prompts
+  share a prefix, so the router keeps them where it is cached); Jain's index over the tenants' VTC
+  service with counters shared across replicas against per-replica counters.
+- throughput: the same closed-loop workload on 2 replicas and on 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import tempfile
+import time
+from collections import defaultdict
+from collections.abc import AsyncIterator, Callable, Coroutine
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+
+from app.flags import add_model_flags, settings_from_args
+from config.settings import Settings
+from loadtest.bench_output import format_table, write_report
+from loadtest.stats import jain_index, percentile_or_nan
+from tenancy.tenants import hash_api_key
+
+ADMIN_KEY = "fl-bench-admin"
+ROUTERS = ("prefix_load", "pow2", "prefix_affinity")
+FAIRNESS_TENANTS = ("flood", "b", "c")
+CACHED_WEIGHT = 0.1  # settings.cached_token_weight's default: the service of a cached prompt token
+
+
+@dataclass(slots=True, frozen=True)
+class Answer:
+    tenant: str
+    ttft_s: float
+    prompt_tokens: int
+    cached_tokens: int
+    output_tokens: int
+    ended_at: float
+
+
+def key_of(tenant: str) -> str:
+    return f"fl-bench-{tenant}"
+
+
+def tenants_toml(tenants: list[str]) -> str:
+    entries = "".join(f'[[tenants]]\nid = "{t}"\napi_key_hashes = ["{hash_api_key(key_of(t))}"]\n\n' for t in tenants)
+    return f'[admin]\napi_key_hashes = ["{hash_api_key(ADMIN_KEY)}"]\n\n{entries}'
+
+
+def text(rng: random.Random, length: int) -> str:
+    """Printable ASCII: one token per character on the builtin byte tokenizer."""
+    return "".join(chr(rng.randrange(33, 127)) for _ in range(length))
+
+
+async def sse_lines(response: httpx.Response) -> AsyncIterator[bytes]:
+    pending = b""
+    async for piece in response.aiter_bytes():
+        *lines, pending = (pending + piece).split(b"\n")
+        for line in lines:
+            yield line
+
+
+async def stream_once(http: httpx.AsyncClient, model: str, tenant: str, prompt: str, max_tokens: int) -> Answer:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    started = time.perf_counter()
+    ttft = 0.0
+    usage: dict[str, Any] = {}
+    async with http.stream("POST", "/v1/completions", json=body,
+                           headers={"authorization": f"Bearer {key_of(tenant)}"}) as response:
+        response.raise_for_status()
+        # Split on the SSE newline only: generated text may hold U+2028 or U+0085, which JSON leaves
+        # unescaped and a text line splitter would break the event at.
+        async for line in sse_lines(response):
+            if not line.startswith(b"data: {"):
+                continue
+            chunk = orjson.loads(line[6:])
+            if not ttft and chunk.get("choices") and chunk["choices"][0].get("text"):
+                ttft = time.perf_counter() - started
+            usage = chunk.get("usage") or usage
+    details = usage.get("prompt_tokens_details") or {}
+    return Answer(tenant, ttft, int(usage.get("prompt_tokens", 0)), int(details.get("cached_tokens", 0)),
+                  int(usage.get("completion_tokens", 0)), time.perf_counter())
+
+
+async def closed_loop(jobs: list[tuple[str, str]], concurrency: int, max_tokens: int, base_url: str, model: str
+                      ) -> tuple[list[Answer], float]:
+    """Run (tenant, prompt) jobs in order through `concurrency` clients."""
+    answers: list[Answer] = []
+    pending = iter(jobs)
+    async with httpx.AsyncClient(base_url=base_url, timeout=600) as http:
+        async def client() -> None:
+            for tenant, prompt in pending:
+                answers.append(await stream_once(http, model, tenant, prompt, max_tokens))
+
+        started = time.perf_counter()
+        await asyncio.gather(*(client() for _ in range(concurrency)))
+    return answers, time.perf_counter() - started
+
+
+def replica_stats(base_url: str) -> dict[str, Any]:
+    response = httpx.get(f"{base_url}/stats", headers={"authorization": f"Bearer {ADMIN_KEY}"}, timeout=30)
+    response.raise_for_status()
+    stats: dict[str, Any] = response.json()
+    return stats
+
+
+def on_cluster(settings: Settings, work: Callable[[str], Coroutine[Any, Any, dict[str, Any]]]) -> dict[str, Any]:
+    """Start a cluster, run the work against its URL, stop it."""
+    from cluster.launch import start_cluster  # imports Ray: only for this benchmark
+
+    started = time.perf_counter()
+    cluster = start_cluster(settings)
+    start_s = time.perf_counter() - started
+    try:
+        return {**asyncio.run(work(cluster.url)), "cluster_start_s": start_s}
+    finally:
+        cluster.stop()
+
+
+def prefix_jobs(args: argparse.Namespace) -> list[tuple[str, str]]:
+    rng = random.Random(args.seed)
+    systems = {f"t{i}": text(rng, args.system_tokens) for i in range(args.prefix_tenants)}
+    return [(tenant, systems[tenant] + text(rng, rng.randint(16, 48)))
+            for tenant in (rng.choice(list(systems)) for _ in range(args.requests))]
+
+
+def routing_work(args: argparse.Namespace) -> Callable[[str], Coroutine[Any, Any, dict[str, Any]]]:
+    async def work(base_url: str) -> dict[str, Any]:
+        before = replica_stats(base_url)["prefix_cache"]
+        answers, wall = await closed_loop(prefix_jobs(args), args.concurrency, args.max_tokens, base_url, args.model)
+        after = replica_stats(base_url)["prefix_cache"]
+        queried = after["queried_tokens"] - before["queried_tokens"]
+        ttfts = [a.ttft_s for a in answers]
+        return {"requests": len(answers), "hit_rate": (after["hit_tokens"] - before["hit_tokens"]) / max(1, queried),
+                "ttft_p50_s": percentile_or_nan(ttfts, 50), "ttft_p99_s": percentile_or_nan(ttfts, 99),
+                "wall_s": wall}
+
+    return work
+
+
+def vtc_service(answer: Answer, decode_weight: float, prompt_weight: float) -> float:
+    computed = answer.prompt_tokens - answer.cached_tokens
+    return prompt_weight * (computed + CACHED_WEIGHT * answer.cached_tokens) + decode_weight * answer.output_tokens
+
+
+def fairness_work(args: argparse.Namespace, settings: Settings) -> Callable[[str], Coroutine[Any, Any, dict[str, Any]]]:
+    """Each tenant is a closed loop of its own; the flood has twice the clients. Service counts in the
+    window where every tenant still has work (until the first one runs out)."""
+    rng = random.Random(args.seed + 1)
+    prefixes = {t: text(rng, args.system_tokens) for t in ("b", "c")}
+
+    def jobs_of(tenant: str) -> list[tuple[str, str]]:
+        prefix = prefixes.get(tenant, "")
+        return [(tenant, prefix + text(rng, 32 if prefix else args.system_tokens + 32))
+                for _ in range(args.fairness_requests)]
+
+    async def work(base_url: str) -> dict[str, Any]:
+        runs = [closed_loop(jobs_of(t), args.concurrency * (2 if t == "flood" else 1), args.max_tokens, base_url,
+                            args.model)
+                for t in FAIRNESS_TENANTS]
+        results = await asyncio.gather(*runs)
+        answers = [a for tenant_answers, _ in results for a in tenant_answers]
+        window_end = min(max(a.ended_at for a in tenant_answers) for tenant_answers, _ in results)
+        service: dict[str, float] = defaultdict(float)
+        for answer in answers:
+            if answer.ended_at <= window_end:
+                service[answer.tenant] += vtc_service(answer, settings.vtc_decode_weight, settings.vtc_prompt_weight)
+        shares = [service[t] for t in FAIRNESS_TENANTS]
+        return {"service": dict(service), "jain_index": jain_index(shares)}
+
+    return work
+
+
+def throughput_work(args: argparse.Namespace) -> Callable[[str], Coroutine[Any, Any, dict[str, Any]]]:
+    rng = random.Random(args.seed + 2)
+    jobs = [("t0", text(rng, 64)) for _ in range(args.requests)]
+
+    async def work(base_url: str) -> dict[str, Any]:
+        answers, wall = await closed_loop(jobs, args.concurrency * 2, args.max_tokens * 4, base_url, args.model)
+        return {"output_tokens_per_s": sum(a.output_tokens for a in answers) / wall, "wall_s": wall}
+
+    return work
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    base = settings_from_args(args)
+    args.model = base.served_model_name or base.model
+    folder = Path(tempfile.mkdtemp(prefix="fairlane-bench-cluster-"))
+    tenants = folder / "tenants.toml"
+    tenants.write_text(tenants_toml([*(f"t{i}" for i in range(args.prefix_tenants)), *FAIRNESS_TENANTS]))
+    common = {"tenants_file": str(tenants), "port": args.port, "batch_db_path": str(folder / "batch.db")}
+    settings = base.model_copy(update={**common, "replicas": 2})
+    routing = {router: on_cluster(settings.model_copy(update={"cluster_router": router}), routing_work(args))
+               for router in ROUTERS}
+    print(orjson.dumps(routing).decode(), flush=True)  # each part as it ends: the whole run takes minutes
+    fair_settings = settings.model_copy(update={"max_num_seqs": args.fairness_max_num_seqs})
+    fairness = {f"{'shared' if shared else 'per_replica'}_counters":
+                on_cluster(fair_settings.model_copy(update={"share_vtc": shared}), fairness_work(args, base))
+                for shared in (True, False)}
+    print(orjson.dumps(fairness).decode(), flush=True)
+    throughput = {f"{n}_replicas": on_cluster(base.model_copy(update={**common, "replicas": n}),
+                                              throughput_work(args)) for n in (2, 1)}
+    print_tables(routing, fairness, throughput)
+    write_report(args.out, {"model": base.model, "routing": routing, "fairness": fairness, "throughput": throughput,
+                            "args": {k: v for k, v in vars(args).items() if k != "handler"}})
+    return 0
+
+
+def print_tables(routing: dict[str, Any], fairness: dict[str, Any], throughput: dict[str, Any]) -> None:
+    rows = [["router", "hit rate", "TTFT p50 ms", "TTFT p99 ms", "wall s"]]
+    rows += [[name, f"{r['hit_rate']:.3f}", f"{r['ttft_p50_s'] * 1e3:.1f}", f"{r['ttft_p99_s'] * 1e3:.1f}",
+              f"{r['wall_s']:.1f}"] for name, r in routing.items()]
+    print(format_table(rows))
+    rows = [["VTC counters", "Jain", *(f"{t} service" for t in FAIRNESS_TENANTS)]]
+    rows += [[name, f"{r['jain_index']:.3f}", *(f"{r['service'].get(t, 0.0):.0f}" for t in FAIRNESS_TENANTS)]
+             for name, r in fairness.items()]
+    print(format_table(rows))
+    rows = [["replicas", "out tok/s", "wall s"]]
+    rows += [[name, f"{r['output_tokens_per_s']:.1f}", f"{r['wall_s']:.1f}"] for name, r in throughput.items()]
+    print(format_table(rows))
+
+
+def add_command(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = subparsers.add_parser("cluster", help="replicas on Ray Serve: routers, shared fairness, 2 vs 1 replica")
+    add_model_flags(parser)
+    parser.add_argument("--port", type=int, default=8471, help="Serve's HTTP port on 127.0.0.1")
+    parser.add_argument("--requests", type=int, default=96)
+    parser.add_argument("--prefix-tenants", type=int, default=12)
+    parser.add_argument("--system-tokens", type=int, default=256)
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--fairness-requests", type=int, default=48, help="requests per tenant")
+    parser.add_argument("--fairness-max-num-seqs", type=int, default=4)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", help="write the results as JSON here")
+    parser.set_defaults(handler=run_bench)

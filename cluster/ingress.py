@@ -1,0 +1,47 @@
+"""The ingress deployment: the single server's Starlette app (routes, quotas, SSE, Batch API,
+metrics) on a ClusterEngine, behind Ray Serve's HTTP proxy.
+
+There is exactly one ingress replica: quotas (max_concurrent, tokens_per_minute) are counted once,
+here, across every engine replica, and the Batch API's SQLite store keeps its one writer.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ray import serve
+from starlette.types import ASGIApp
+
+from app.context import ServingContext
+from app.http_limits import BodyTimeoutMiddleware
+from app.server import create_app
+from cluster.remote_engine import ClusterEngine, RemoteExecutor
+from cluster.wire import ReplicaDescription
+from config.settings import Settings
+from gpu.plan import StructuredOutput
+from scheduling.scheduler import Scheduler
+
+# A replica report older than this many sync intervals means the replica is gone (or stuck).
+REPORT_MAX_AGE_INTERVALS = 30
+
+
+@serve.ingress()
+class OpenAIIngress:
+    async def __init__(self, settings: Settings, replicas: Any, board: Any) -> None:  # type: ignore[misc]  # Serve awaits it
+        description: ReplicaDescription = await replicas.describe.remote()
+
+        def check_structured(structured: StructuredOutput) -> None:  # run in a worker thread by the routes
+            replicas.check_structured.remote(structured).result()
+
+        # Never stepped: it answers the admission checks (context length, KV room) and holds the tenants.
+        scheduler = Scheduler(description.scheduler_config, description.geometry, description.tenants)
+        engine = ClusterEngine(scheduler, RemoteExecutor(description.geometry, check_structured),
+                               replicas.options(stream=True, method_name="generate"), board,
+                               max_queued_requests=settings.max_queued_requests,
+                               stall_after_s=settings.engine_stall_s,
+                               report_max_age_s=max(2.0, REPORT_MAX_AGE_INTERVALS * settings.vtc_sync_interval_s))
+        self.context = ServingContext(settings, engine, description.tokenizer)
+
+    def __serve_build_asgi_app__(self) -> ASGIApp:
+        settings = self.context.settings
+        return BodyTimeoutMiddleware(create_app(self.context), settings.http_body_timeout_s)

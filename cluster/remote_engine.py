@@ -1,0 +1,165 @@
+"""The ingress's engine: the HTTP layer's Engine, whose requests run on the replicas.
+
+The app's routes, quotas, metrics and SSE code stay exactly as in the single server: they talk to an
+Engine. This one checks and tracks each request like any engine (queue share, context length,
+observers), then streams it from a replica through Ray Serve's streaming handle and delivers the
+replica's events as its own. Closing a request's stream cancels the replica call, which aborts it there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from cluster.wire import ReplicaCall, ReplicaReport, replica_call
+from cluster.wire import ended_event as ended
+from gpu.plan import CacheGeometry, StepPlan, StepResult, StructuredOutput
+from scheduling.engine import Engine, EngineHealth, RequestStream
+from scheduling.request import Request, RequestId, RequestStatus, TokenEvent, finish_reason
+from scheduling.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+# /stats keys that add up across replicas.
+SUMMED_STATS = ("running", "waiting", "swapped", "kv_blocks_in_use", "kv_blocks_total", "cpu_blocks_in_use",
+                "cpu_blocks_total", "requests_finished", "requests_aborted", "steps")
+
+
+class RemoteExecutor:
+    """What the ingress knows of the replicas' runners: their KV geometry (for the admission checks)
+    and their grammar check. Steps never run here."""
+
+    def __init__(self, geometry: CacheGeometry, check: Callable[[StructuredOutput], None]) -> None:
+        self._geometry = geometry
+        self._check = check
+
+    @property
+    def geometry(self) -> CacheGeometry:
+        return self._geometry
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        raise RuntimeError("the ingress runs no steps: its requests run on the replicas")
+
+    def check_structured(self, structured: StructuredOutput) -> None:
+        """Called in a worker thread by the routes; asks one replica (ValueError for a bad grammar)."""
+        self._check(structured)
+
+
+@dataclass(slots=True)
+class RemoteRun:
+    call: ReplicaCall
+    task: asyncio.Task[None] | None = None
+    last: TokenEvent | None = None  # the latest event from its replica, for the counts of an early end
+
+
+@dataclass(slots=True)
+class BoardView:
+    """The replicas' latest reports, as the ingress last read them from the board."""
+
+    reports: list[ReplicaReport] = field(default_factory=list)
+    read_at: float | None = None  # time.monotonic() of the last successful read
+
+
+class ClusterEngine(Engine):
+    def __init__(self, scheduler: Scheduler, executor: RemoteExecutor, generate: Any, board: Any, *,
+                 max_queued_requests: int, stall_after_s: float, report_max_age_s: float) -> None:
+        super().__init__(scheduler, executor, max_queued_requests=max_queued_requests, stall_after_s=stall_after_s)
+        self._generate = generate  # the replicas' handle, streaming, method `generate`
+        self._board = board
+        self._report_max_age_s = report_max_age_s
+        self._runs: dict[RequestId, RemoteRun] = {}
+        self.board_view = BoardView()
+        self._watch_task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        await super().start()
+        if self._watch_task is None:
+            self._watch_task = asyncio.create_task(self._watch_board(), name="fairlane-board-watch")
+
+    def submit(self, request: Request) -> RequestStream:
+        stream = self.track(request)
+        run = RemoteRun(replica_call(request, self.executor.geometry.block_size))
+        self._runs[request.request_id] = run
+        run.task = asyncio.create_task(self._run_remote(run), name=f"fairlane-remote-{request.request_id}")
+        return stream
+
+    async def _run_remote(self, run: RemoteRun) -> None:
+        request = run.call.request
+        responses = self._generate.remote(run.call)
+        try:
+            async for events in responses:
+                run.last = events[-1]
+                self.deliver(events)
+            if run.last is None or not run.last.is_final:
+                self.deliver([ended(request, run.last, "error", "the replica ended the request without a result")])
+        except asyncio.CancelledError:
+            responses.cancel()  # aborts it on the replica
+            raise
+        except Exception as exc:  # the replica died or Ray Serve could not reach one
+            logger.warning("request %s failed on its replica: %s", request.request_id, exc)
+            self.deliver([ended(request, run.last, "error", f"the replica serving this request failed "
+                                                            f"({type(exc).__name__}); retry it")])
+        finally:
+            self._runs.pop(request.request_id, None)
+
+    def finish(self, request_id: RequestId, status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
+        """End a request here at once (its reader stopped: client gone or stop string) and cancel
+        its replica call, which aborts it there."""
+        run = self._runs.pop(request_id, None)
+        if run is None:
+            return
+        if run.task is not None:
+            run.task.cancel()
+        self.deliver([ended(run.call.request, run.last, finish_reason(status) or "abort")])
+
+    def health(self) -> EngineHealth:
+        """Healthy while at least one replica reports healthy; the reasons of the others otherwise."""
+        if self.failure is not None:
+            return EngineHealth(False, f"the engine failed: {self.failure}")
+        reports = self.board_view.reports
+        if not reports:
+            return EngineHealth(False, "no replica has reported yet")
+        if any(r.is_healthy for r in reports):
+            return EngineHealth(True)
+        return EngineHealth(False, "; ".join(f"replica {r.replica_id}: {r.reason}" for r in reports))
+
+    def stats(self) -> dict[str, Any]:
+        """The replicas' /stats added up, each replica's own under `replicas`."""
+        reports = self.board_view.reports
+        summed: dict[str, Any] = {key: sum(int(r.stats.get(key, 0)) for r in reports) for key in SUMMED_STATS}
+        queried = sum(int(r.stats.get("prefix_cache", {}).get("queried_tokens", 0)) for r in reports)
+        hits = sum(int(r.stats.get("prefix_cache", {}).get("hit_tokens", 0)) for r in reports)
+        summed["prefix_cache"] = {"queried_tokens": queried, "hit_tokens": hits}
+        summed["in_flight"] = self.num_unfinished
+        summed["replicas"] = {r.replica_id: {**r.stats, "healthy": r.is_healthy, "reason": r.reason}
+                              for r in reports}
+        return summed
+
+    async def _watch_board(self) -> None:
+        """Keep the replicas' reports fresh for /health and /stats."""
+        while True:
+            try:
+                self.board_view = BoardView(await self._board.reports.remote(self._report_max_age_s),
+                                            time.monotonic())
+            except Exception:
+                logger.warning("the ingress could not read the board", exc_info=True)
+            await asyncio.sleep(min(0.5, self._report_max_age_s / 4))
+
+    async def shutdown(self, message: str = "the server is shutting down") -> None:
+        """End every request still running on a replica with an error (cancelling it there), then stop."""
+        for request_id, run in list(self._runs.items()):
+            del self._runs[request_id]
+            if run.task is not None:
+                run.task.cancel()
+            self.deliver([ended(run.call.request, run.last, "error", message)])
+        if self._watch_task is not None:
+            self._watch_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watch_task
+            self._watch_task = None
+        await super().shutdown(message)

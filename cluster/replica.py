@@ -1,0 +1,112 @@
+"""One engine replica: a fairlane engine (model, runner, scheduler) as a Ray Serve deployment.
+
+The ingress streams each request's token events from `generate`. Ray Serve cancels the call when
+the ingress gives up on it (its client left, a stop string matched), and the cancellation aborts the
+request here, freeing its KV blocks at the next step. Every `vtc_sync_interval_s` the replica
+reports to the board (service given, health, /stats) and folds in the other replicas' service.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from collections.abc import AsyncGenerator
+from dataclasses import replace
+from typing import Any
+
+from ray import serve
+
+from cluster.service import ServiceMeter, fold_service
+from cluster.wire import ReplicaCall, ReplicaDescription, ReplicaReport, ended_event
+from config.settings import Settings
+from gpu.plan import StructuredOutput
+from scheduling.engine import EngineOverloaded, EngineStopped
+from scheduling.request import TokenEvent
+from scheduling.scheduler import AdmissionError
+
+logger = logging.getLogger(__name__)
+
+
+class EngineReplica:
+    async def __init__(self, settings: Settings, board: Any) -> None:  # type: ignore[misc]  # Serve awaits it
+        self._settings = settings
+        self._board = board  # the ClusterBoard actor's handle
+        from app.engine_factory import build_engine  # imports torch: in the replicas' processes only
+
+        self.engine, runner = build_engine(settings)
+        self._runner = runner
+        self.replica_id: str = serve.get_replica_context().replica_id.unique_id
+        self._meter = ServiceMeter(self.engine.scheduler)
+        self.engine.observers.append(self._meter)
+        await self.engine.start()
+        self._sync_task = asyncio.create_task(self._sync_forever(), name="fairlane-board-sync")
+
+    async def generate(self, call: ReplicaCall) -> AsyncGenerator[list[TokenEvent], None]:
+        """The request's events, in batches: whatever is ready when the ingress reads goes as one item."""
+        try:
+            stream = self.engine.submit(replace(call.request, arrival_time=time.monotonic()))
+        except (EngineOverloaded, EngineStopped, AdmissionError) as exc:
+            yield [ended_event(call.request, None, "error", f"replica {self.replica_id} refused the request: {exc}")]
+            return
+        try:
+            async for event in stream:
+                yield [event, *stream.take_ready()]
+        finally:
+            stream.close()  # a no-op after the last event; an abort when the ingress cancelled the call
+
+    def describe(self) -> ReplicaDescription:
+        scheduler = self.engine.scheduler
+        return ReplicaDescription(self.replica_id, self._runner.loaded.tokenizer, self._runner.geometry,
+                                  scheduler.config, scheduler.tenants)
+
+    def check_structured(self, structured: StructuredOutput) -> None:
+        """Raises ValueError for a grammar the runner cannot compile (the ingress answers 400)."""
+        self._runner.check_structured(structured)
+
+    def check_health(self) -> None:
+        """Ray Serve's health check: a replica whose engine died or stalled is restarted."""
+        health = self.engine.health()
+        if not health.is_healthy:
+            raise RuntimeError(health.reason or "the engine is unhealthy")
+
+    def record_routing_stats(self) -> dict[str, Any]:
+        """What the request router reads of this replica's load (cluster/router.py)."""
+        snapshot = self.engine.snapshot
+        return {"kv_use": snapshot.kv_blocks.fraction, "kv_blocks": snapshot.kv_blocks.total,
+                "waiting": snapshot.waiting, "running": snapshot.running}
+
+    def stats(self) -> dict[str, Any]:
+        return {"replica_id": self.replica_id, "pid": os.getpid(), **self.engine.stats()}
+
+    async def _sync_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self._settings.vtc_sync_interval_s)
+            try:
+                await self._sync_once()
+            except Exception:  # the board may be restarting: the service goes out with the next report
+                logger.warning("replica %s could not reach the board", self.replica_id, exc_info=True)
+
+    async def _sync_once(self) -> None:
+        health = self.engine.health()
+        service = self._meter.take()
+        report = ReplicaReport(self.replica_id, service, health.is_healthy, health.reason,
+                               self.stats(), time.time())
+        try:
+            others = await self._board.exchange.remote(report)
+        except Exception:
+            self._meter.give_back(service)
+            raise
+        if self._settings.share_vtc:
+            fold_service(self.engine.scheduler, others)
+
+    async def __del__(self) -> None:
+        sync_task: asyncio.Task[None] | None = getattr(self, "_sync_task", None)  # None when __init__ failed
+        if sync_task is None:
+            return
+        sync_task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await sync_task
+        await self.engine.shutdown()

@@ -1,0 +1,112 @@
+"""Fairness across replicas: each replica measures the service it gives per tenant, the board adds
+it up, and each replica folds the others' service into its own VTC counters.
+
+A replica alone sees only its own share of a tenant's traffic: a tenant that floods two replicas
+would get half of each, twice its share. With the others' service folded in, a tenant's counter on
+every replica counts all the service it got, so each replica's fair queue serves it accordingly.
+Ray-free: the board is a plain class here, made a Ray actor by the launcher.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+
+from cluster.wire import ReplicaReport, ServiceByTenant
+from scheduling.request import PriorityClass, Request, RequestId, TokenEvent
+from scheduling.scheduler import Scheduler
+
+
+class ServiceMeter:
+    """An engine observer that adds up the service each tenant receives, in the units the scheduler
+    charges its VTC counters: the prompt (computed and cached tokens) when its first token comes,
+    then each generated token. `take()` hands over what accrued since the last call."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self._scheduler = scheduler
+        self._accrued: dict[str, defaultdict[str, float]] = defaultdict(lambda: defaultdict(float))
+        self._outputs_seen: dict[RequestId, int] = {}
+
+    def on_tokens(self, request: Request, event: TokenEvent, now: float) -> None:
+        vtc = self._scheduler.vtc[request.priority]
+        seen = self._outputs_seen.get(request.request_id)
+        if seen is None:  # the first token: the prompt was computed (or found cached) for it
+            num_computed = event.num_prompt_tokens - event.num_cached_tokens
+            service = vtc.service(num_computed, 0, event.num_cached_tokens)
+            seen = 0
+        else:
+            service = 0.0
+        service += vtc.service(0, event.num_output_tokens - seen)
+        self._outputs_seen[request.request_id] = event.num_output_tokens
+        self._accrued[request.priority.value][request.tenant_id] += service
+
+    def on_finished(self, request: Request, event: TokenEvent, now: float) -> None:
+        self._outputs_seen.pop(request.request_id, None)
+
+    def take(self) -> ServiceByTenant:
+        accrued = {name: dict(tenants) for name, tenants in self._accrued.items() if tenants}
+        self._accrued.clear()
+        return accrued
+
+    def give_back(self, service: ServiceByTenant) -> None:
+        """Service taken for a report that never reached the board: it goes out with the next one."""
+        for name, tenants in service.items():
+            for tenant_id, amount in tenants.items():
+                self._accrued[name][tenant_id] += amount
+
+
+def fold_service(scheduler: Scheduler, service: ServiceByTenant) -> None:
+    """Charge the others' service to this replica's counters (on the engine's event loop, between
+    steps: the worker thread running a step never touches the counters)."""
+    for name, tenants in service.items():
+        vtc = scheduler.vtc[PriorityClass(name)]
+        for tenant_id, amount in tenants.items():
+            vtc.charge_service(tenant_id, amount)
+
+
+class ServiceLedger:
+    """Every replica's total service per tenant, and how much of the others' each replica has folded
+    in: an exchange hands a replica exactly what it has not seen yet, so nothing counts twice."""
+
+    def __init__(self) -> None:
+        self._given: dict[str, defaultdict[tuple[str, str], float]] = defaultdict(lambda: defaultdict(float))
+        self._folded: dict[str, defaultdict[tuple[str, str], float]] = defaultdict(lambda: defaultdict(float))
+
+    def exchange(self, replica_id: str, service: ServiceByTenant) -> ServiceByTenant:
+        given = self._given[replica_id]
+        for name, tenants in service.items():
+            for tenant_id, amount in tenants.items():
+                given[(name, tenant_id)] += amount
+        others: defaultdict[tuple[str, str], float] = defaultdict(float)
+        for other_id, other_given in self._given.items():
+            if other_id != replica_id:
+                for key, amount in other_given.items():
+                    others[key] += amount
+        folded = self._folded[replica_id]
+        unseen: dict[str, dict[str, float]] = defaultdict(dict)
+        for (name, tenant_id), amount in others.items():
+            delta = amount - folded[(name, tenant_id)]
+            if delta > 0:
+                unseen[name][tenant_id] = delta
+                folded[(name, tenant_id)] = amount
+        return dict(unseen)
+
+
+class ClusterBoard:
+    """The one shared place (a Ray actor): the service ledger, and each replica's latest report for
+    the ingress's /health and /stats. Its methods are short and synchronous: an actor runs them one
+    at a time, so the ledger needs no lock."""
+
+    def __init__(self) -> None:
+        self._ledger = ServiceLedger()
+        self._reports: dict[str, ReplicaReport] = {}
+
+    def exchange(self, report: ReplicaReport) -> ServiceByTenant:
+        """Record a replica's report; answer the others' service it has not folded in yet."""
+        self._reports[report.replica_id] = report
+        return self._ledger.exchange(report.replica_id, report.service)
+
+    def reports(self, max_age_s: float) -> list[ReplicaReport]:
+        """The latest report of each replica heard from within max_age_s (a dead one stops reporting)."""
+        now = time.time()
+        return [r for r in self._reports.values() if now - r.sent_at <= max_age_s]

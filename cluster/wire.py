@@ -1,0 +1,72 @@
+"""What crosses process boundaries between the ingress, the replicas and the board: plain data that
+Ray pickles. Ray-free, so the HTTP side and the tests can build it without a cluster."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from gpu.plan import CacheGeometry
+from gpu.tokenizer import Tokenizer
+from scheduling.prefix_cache import extend_block_hashes
+from scheduling.request import Request, TokenEvent
+from scheduling.scheduler import SchedulerConfig
+from tenancy.tenants import TenantRegistry
+
+# Per class, per tenant: unweighted VTC service (the units of VirtualTokenCounter.service).
+ServiceByTenant = dict[str, dict[str, float]]
+
+
+@dataclass(slots=True, frozen=True)
+class ReplicaCall:
+    """One request as the ingress sends it to the replica the router picks."""
+
+    request: Request  # never stepped here: the replica's scheduler owns its copy
+    block_hashes: tuple[bytes, ...]  # the prompt's salted hash chain of full blocks, as the replica computes it
+
+    @property
+    def prompt(self) -> str:
+        """The prompt for Ray's PrefixCacheAffinityRouter, which matches character prefixes: one character
+        per token, so its prefixes are token prefixes (it knows nothing of the salt)."""
+        return "".join(map(chr, self.request.prompt_token_ids))
+
+
+def replica_call(request: Request, block_size: int) -> ReplicaCall:
+    num_blocks = request.num_prompt_tokens // block_size
+    hashes = extend_block_hashes([], request.prompt_token_ids, block_size, request.cache_salt, num_blocks)
+    return ReplicaCall(request, tuple(hashes))
+
+
+@dataclass(slots=True, frozen=True)
+class ReplicaDescription:
+    """What the ingress needs from a replica before it serves: it loads no model (nor torch) of its own,
+    and checks admission with the replicas' own geometry, scheduler settings and tenants."""
+
+    replica_id: str
+    tokenizer: Tokenizer
+    geometry: CacheGeometry
+    scheduler_config: SchedulerConfig
+    tenants: TenantRegistry
+
+
+@dataclass(slots=True, frozen=True)
+class ReplicaReport:
+    """A replica's periodic report to the board: the service it gave since its last report, its
+    health and its /stats. The board keeps the latest per replica for the ingress's /health and /stats."""
+
+    replica_id: str
+    service: ServiceByTenant  # since the previous report
+    is_healthy: bool
+    reason: str | None
+    stats: dict[str, Any] = field(default_factory=dict)
+    sent_at: float = 0.0  # time.time() on the replica: the board and the ingress judge staleness by it
+
+
+def ended_event(request: Request, last: TokenEvent | None, finish_reason: str, error: str | None = None
+                ) -> TokenEvent:
+    """The final event of a request ended at the ingress (aborted, stopped, or its replica lost),
+    with the counts of the last event its replica sent."""
+    num_output = last.num_output_tokens if last is not None else 0
+    num_cached = last.num_cached_tokens if last is not None else 0
+    return TokenEvent(request.request_id, (), finish_reason, request.num_prompt_tokens, num_output, num_cached,
+                      error)

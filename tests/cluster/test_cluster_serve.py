@@ -1,0 +1,183 @@
+"""`fairlane serve --replicas 2` end to end: the official openai client against two replicas of
+builtin:tiny on a local Ray instance, all on loopback. One cluster serves the whole module (Ray and
+two model loads take tens of seconds); the test that kills a replica runs last."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from tenancy.tenants import hash_api_key
+from tests.app.conftest import wait_for
+
+FAIRLANE = Path(sys.executable).with_name("fairlane")
+MODEL = "builtin:tiny"
+ADMIN_KEY = "fl-admin-key"
+KEYS = {"alice": "fl-alice-key", "capped": "fl-capped-key"}
+MAX_CONCURRENT = 2
+TENANTS_TOML = f"""
+[admin]
+api_key_hashes = ["{hash_api_key(ADMIN_KEY)}"]
+
+[[tenants]]
+id = "alice"
+api_key_hashes = ["{hash_api_key(KEYS['alice'])}"]
+
+[[tenants]]
+id = "capped"
+api_key_hashes = ["{hash_api_key(KEYS['capped'])}"]
+max_concurrent = {MAX_CONCURRENT}
+"""
+START_TIMEOUT_S = 150
+LONG = 1500  # max_tokens of a stream that the test ends long before it would end by itself
+
+
+@dataclass(slots=True)
+class Cluster:
+    process: subprocess.Popen[bytes]
+    base_url: str
+    streaming: dict[str, openai.OpenAI] = field(default_factory=dict)  # per tenant, for long_stream; closed at the end
+
+    def client(self, tenant: str = "alice") -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key=KEYS[tenant], max_retries=0, timeout=60)
+
+    def stats(self) -> dict[str, Any]:
+        response = httpx.get(f"{self.base_url}/stats", headers={"authorization": f"Bearer {ADMIN_KEY}"}, timeout=10)
+        response.raise_for_status()
+        stats: dict[str, Any] = response.json()
+        return stats
+
+    def is_healthy(self) -> bool:
+        try:
+            return httpx.get(f"{self.base_url}/health", timeout=5).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+
+def loopback_port() -> int:
+    """A free port for Serve's proxy, which binds it itself and cannot be handed a socket; the small
+    window before it binds is the price."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    folder = tmp_path_factory.mktemp("cluster")
+    (folder / "tenants.toml").write_text(TENANTS_TOML)
+    port = loopback_port()
+    env = {**os.environ, "FAIRLANE_BATCH_DB_PATH": str(folder / "fairlane.db"), "FAIRLANE_MAX_NUM_SEQS": "8"}
+    log = (folder / "serve.log").open("wb")
+    process = subprocess.Popen([str(FAIRLANE), "serve", "--replicas", "2", "--model", MODEL, "--port", str(port),
+                                "--tenants", str(folder / "tenants.toml"), "--kv-cache-bytes", str(32 * 1024 * 1024)],
+                               env=env, stdout=subprocess.DEVNULL, stderr=log, start_new_session=True)
+    served = Cluster(process, f"http://127.0.0.1:{port}")
+    try:
+        wait_for(lambda: served.is_healthy() or process.poll() is not None, timeout=START_TIMEOUT_S, interval=0.5,
+                 what="the cluster to serve")
+        assert process.poll() is None, (folder / "serve.log").read_text()[-4000:]
+        wait_for(lambda: len(served.stats()["replicas"]) == 2, timeout=30, interval=0.2, what="both replicas")
+        yield served
+    finally:
+        for client in served.streaming.values():
+            client.close()
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+        log.close()
+
+
+def long_stream(cluster: Cluster, tenant: str = "alice", prompt: str = "Once upon a time") -> Any:
+    client = cluster.streaming.setdefault(tenant, cluster.client(tenant))
+    return client.completions.create(model=MODEL, prompt=prompt, max_tokens=LONG, stream=True,
+                                                     extra_body={"ignore_eos": True})
+
+
+def total(stats: dict[str, Any], key: str) -> int:
+    return sum(int(replica[key]) for replica in stats["replicas"].values())
+
+
+def test_chat_streams_through_the_official_client(cluster: Cluster) -> None:
+    with cluster.client() as client:
+        stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hello"}],
+                                                max_tokens=12, stream=True, stream_options={"include_usage": True},
+                                                extra_body={"ignore_eos": True})
+        chunks = list(stream)
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    usage = chunks[-1].usage
+
+    assert finishes == ["length"]
+    assert usage is not None and usage.completion_tokens == 12
+
+
+def test_requests_are_served_by_both_replicas(cluster: Cluster) -> None:
+    before = {rid: r["requests_finished"] for rid, r in cluster.stats()["replicas"].items()}
+    streams = [long_stream(cluster, prompt=f"prompt number {i} " * 3) for i in range(6)]
+    for stream in streams:
+        next(iter(stream))  # every request is running before any ends
+    for stream in streams:
+        stream.close()
+    wait_for(lambda: cluster.stats()["in_flight"] == 0, timeout=20, what="the streams to end")
+    wait_for(lambda: cluster.stats()["running"] == 0, timeout=20, what="the replicas to report them ended")
+    after = cluster.stats()["replicas"]
+
+    assert all(after[rid]["requests_finished"] + after[rid]["requests_aborted"] > before[rid] for rid in before)
+
+
+def test_a_client_that_disconnects_aborts_its_request_on_the_replica(cluster: Cluster) -> None:
+    aborted = total(cluster.stats(), "requests_aborted")
+    stream = long_stream(cluster)
+    next(iter(stream))
+    wait_for(lambda: cluster.stats()["running"] == 1, timeout=20, what="the replica to run the request")
+    stream.close()
+
+    wait_for(lambda: total(cluster.stats(), "requests_aborted") == aborted + 1, timeout=20,
+             what="the replica to abort the request")
+    assert cluster.stats()["running"] == 0
+
+
+def test_max_concurrent_is_counted_across_replicas(cluster: Cluster) -> None:
+    streams = [long_stream(cluster, "capped", prompt=f"capped {i} " * 4) for i in range(MAX_CONCURRENT)]
+    for stream in streams:
+        next(iter(stream))
+    try:
+        with pytest.raises(openai.RateLimitError), cluster.client("capped") as client:
+            client.completions.create(model=MODEL, prompt="one more", max_tokens=2)
+    finally:
+        for stream in streams:
+            stream.close()
+    with cluster.client("capped") as client:
+        wait_for(lambda: cluster.stats()["in_flight"] == 0, timeout=20, what="the capped streams to end")
+        assert client.completions.create(model=MODEL, prompt="now there is room", max_tokens=2).choices
+
+
+def test_a_killed_replica_fails_its_streams_and_the_other_serves_on(cluster: Cluster) -> None:
+    stream = long_stream(cluster)
+    next(iter(stream))
+    wait_for(lambda: cluster.stats()["running"] == 1, timeout=20, what="a replica to run the stream")
+    victim = next(r for r in cluster.stats()["replicas"].values() if r["running"] == 1)
+    os.kill(victim["pid"], signal.SIGKILL)
+
+    with pytest.raises(openai.APIError, match="replica"):
+        for _ in stream:
+            pass
+    with cluster.client() as client:
+        answer = client.completions.create(model=MODEL, prompt="still there?", max_tokens=4)
+    assert answer.choices[0].finish_reason in ("length", "stop")
+    assert cluster.is_healthy()

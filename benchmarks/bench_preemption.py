@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import itertools
 import random
 import time
@@ -213,10 +214,12 @@ async def drive(engine: Engine, spec: RunSpec, traffic: Traffic, window_s: float
 
 
 def run_all(overrides: dict[str, Any], traffic: Traffic, config_file: str | None = None,
-            runs: Sequence[RunSpec] = RUNS) -> tuple[Settings, dict[str, RunTrace]]:
+            runs: Sequence[RunSpec] = RUNS, freeze_gc: bool = False) -> tuple[Settings, dict[str, RunTrace]]:
     """Every run in order, on one loaded model; the batch-alone window is the interactive-alone one."""
     base = load_settings(config_file, overrides=overrides)
     loaded = load_model_for(base)
+    if freeze_gc:  # as `fairlane serve` does: the model is never garbage, keep it out of full collections
+        gc.freeze()
     traces: dict[str, RunTrace] = {}
     for spec in runs:
         settings = load_settings(config_file, overrides={**overrides, **spec.overrides})
@@ -436,7 +439,7 @@ def traffic_of(args: argparse.Namespace) -> Traffic:
 def run_command(args: argparse.Namespace) -> int:
     overrides = {key: getattr(args, key, None) for key in (*MODEL_FLAG_KEYS, "swap_space_bytes")}
     traffic = traffic_of(args)
-    settings, traces = run_all(overrides, traffic, getattr(args, "config", None))
+    settings, traces = run_all(overrides, traffic, getattr(args, "config", None), freeze_gc=True)
     report = build_report(settings, traffic, traces)
     print(render_table(report))
     write_report(args.out, report)

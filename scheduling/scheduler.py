@@ -5,6 +5,8 @@ built in phases, each within one token budget and one sequence cap:
   1. make room: if interactive requests wait for blocks or slots, preempt running batch requests;
   2. running requests: interactive before batch, decodes before prefill chunks;
   3. swapped-in and newly admitted requests: interactive first, batch only when no interactive waits.
+While interactive requests are active, batch work also has to fit the step's time budget (step
+shaping, scheduling/step_shaper.py); what does not fit keeps its blocks and waits for the next step.
 Only this class changes a request's status.
 """
 
@@ -25,6 +27,7 @@ from scheduling.snapshot import BlockUse, ClassLoad, SchedulerSnapshot, StepCost
 from scheduling.step_builder import StepBuilder
 from scheduling.step_cost import StepWork
 from scheduling.step_shaper import ShapingConfig, StepShaper
+from scheduling.tenant_load import TenantLoad
 from tenancy.tenants import TenantRegistry
 from tenancy.vtc import ServiceWeights, VirtualTokenCounter
 
@@ -84,11 +87,7 @@ class Scheduler:
         self.requests: dict[RequestId, Request] = {}
         self.counters = SchedulerCounters()
         self.preemption_log: deque[PreemptionEvent] = deque(maxlen=10_000)
-        self._unfinished: Counter[tuple[PriorityClass, str]] = Counter()  # per class and tenant
-        self._unfinished_by_class: Counter[PriorityClass] = Counter()
-        self._unfinished_by_tenant: Counter[str] = Counter()
-        self._active_weight = 0.0  # the weights of the tenants with unfinished requests, summed
-        self._running_by_tenant: Counter[str] = Counter()
+        self.load = TenantLoad(self.tenants)
         self.shaper = StepShaper(config.shaping, geometry.block_size)
         self._finished_ids: list[str] = []  # told to the runner with the next plan
 
@@ -108,13 +107,9 @@ class Scheduler:
 
     def add_request(self, request: Request) -> None:
         self.check_admissible(request.num_prompt_tokens, request.max_tokens)
-        key = (request.priority, request.tenant_id)
-        if self._unfinished[key] == 0:  # newly backlogged: no banked credit for idle time
-            backlogged = [t for (c, t), n in self._unfinished.items() if c == request.priority and n > 0]
+        backlogged = self.load.added(request)
+        if backlogged is not None:  # newly backlogged: no banked credit for idle time
             self.vtc[request.priority].lift(request.tenant_id, backlogged)
-        self._unfinished[key] += 1
-        self._unfinished_by_class[request.priority] += 1
-        self._count_unfinished(request.tenant_id, +1)
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         self.waiting[request.priority].add(request)
@@ -193,7 +188,7 @@ class Scheduler:
         yield from self.waiting[PriorityClass.INTERACTIVE]
 
     def _interactive_active(self) -> bool:
-        return self._unfinished_by_class[PriorityClass.INTERACTIVE] > 0
+        return self.load.has_unfinished(PriorityClass.INTERACTIVE)
 
     def _open_shaped_budget(self, step: StepBuilder, interactive_demand: InteractiveDemand) -> None:
         self.shaper.open_budget(step, interactive_demand.work, self._interactive_active())
@@ -299,11 +294,7 @@ class Scheduler:
         return True
 
     def _at_tenant_limit(self, request: Request, num_new: int) -> bool:
-        return self._at_max_concurrent(request.tenant_id) or self._over_kv_share(request, num_new)
-
-    def _at_max_concurrent(self, tenant_id: str) -> bool:
-        limit = self.tenants.get(tenant_id).limits.max_concurrent
-        return limit is not None and self._running_by_tenant[tenant_id] >= limit
+        return self.load.at_max_concurrent(request.tenant_id) or self._over_kv_share(request, num_new)
 
     def _tenants_waiting(self) -> Iterator[str]:
         """Each tenant with a waiting request, once, lazily."""
@@ -321,29 +312,21 @@ class Scheduler:
         long as another tenant kept a request waiting. Another tenant's waiting request counts only
         if it could be admitted now (its tenant is below max_concurrent); else memory would sit idle."""
         held = self.blocks.device_blocks_held_by(request.tenant_id)
-        if not self.config.kv_share_limit or held == 0 or len(self._unfinished_by_tenant) < 2:
+        if not self.config.kv_share_limit or held == 0 or self.load.num_active_tenants < 2:
             return False
-        share = self.geometry.num_device_blocks * self.tenants.weight(request.tenant_id) / self._active_weight
+        share = self.geometry.num_device_blocks * self.tenants.weight(request.tenant_id) / self.load.active_weight
         if held + self.blocks.blocks_needed(request, num_new) <= share:
             return False
-        return any(t != request.tenant_id and not self._at_max_concurrent(t) for t in self._tenants_waiting())
-
-    def _count_unfinished(self, tenant_id: str, change: int) -> None:
-        """Keep the per-tenant count of unfinished requests and the active tenants' total weight."""
-        self._unfinished_by_tenant[tenant_id] += change
-        if self._unfinished_by_tenant[tenant_id] == 0:
-            del self._unfinished_by_tenant[tenant_id]
-        if self._unfinished_by_tenant.get(tenant_id, 0) == max(change, 0):  # became active or inactive
-            self._active_weight = sum(self.tenants.weight(t) for t in self._unfinished_by_tenant)
+        return any(t != request.tenant_id and not self.load.at_max_concurrent(t) for t in self._tenants_waiting())
 
     def _start_running(self, request: Request) -> None:
         request.status = RequestStatus.RUNNING
         self.running.append(request)
-        self._running_by_tenant[request.tenant_id] += 1
+        self.load.started_running(request)
 
     def _stop_running(self, request: Request) -> None:
         self.running.remove(request)
-        self._running_by_tenant[request.tenant_id] -= 1
+        self.load.stopped_running(request)
 
     def _preempt(self, victim: Request, plan: StepPlan, for_class: PriorityClass) -> None:
         """Swap the victim's KV to the CPU pool; if the pool is full (or swap is off), recompute."""
@@ -434,9 +417,7 @@ class Scheduler:
         self.blocks.free(request.request_id)
         request.status = status
         del self.requests[request.request_id]
-        self._unfinished[(request.priority, request.tenant_id)] -= 1
-        self._unfinished_by_class[request.priority] -= 1
-        self._count_unfinished(request.tenant_id, -1)
+        self.load.finished(request)
         self._finished_ids.append(request.request_id)
         if status == RequestStatus.FINISHED_ABORTED:
             self.counters.num_aborted += 1

@@ -1,0 +1,66 @@
+"""Per-tenant and per-class request counts, kept up to date as requests arrive, start running, stop
+and end, so that the admission rules read them in constant time instead of scanning the running list
+or the queues for every waiting request at every step."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from scheduling.request import PriorityClass, Request
+from tenancy.tenants import TenantRegistry
+
+
+class TenantLoad:
+    def __init__(self, tenants: TenantRegistry) -> None:
+        self._tenants = tenants
+        self._unfinished: Counter[tuple[PriorityClass, str]] = Counter()  # per class and tenant
+        self._unfinished_by_class: Counter[PriorityClass] = Counter()
+        self._unfinished_by_tenant: Counter[str] = Counter()
+        self._running_by_tenant: Counter[str] = Counter()
+        self.active_weight = 0.0  # the weights of the tenants with unfinished requests, summed
+
+    # ---- changes ---------------------------------------------------------------------------
+
+    def added(self, request: Request) -> list[str] | None:
+        """Count a new unfinished request. If it makes its tenant newly backlogged in its class, the
+        other tenants backlogged in that class (for the VTC lift); otherwise None."""
+        key = (request.priority, request.tenant_id)
+        newly_backlogged = self._unfinished[key] == 0
+        others = [t for (c, t), n in self._unfinished.items() if c == request.priority and n > 0] \
+            if newly_backlogged else None
+        self._unfinished[key] += 1
+        self._unfinished_by_class[request.priority] += 1
+        self._count_tenant(request.tenant_id, +1)
+        return others
+
+    def finished(self, request: Request) -> None:
+        self._unfinished[(request.priority, request.tenant_id)] -= 1
+        self._unfinished_by_class[request.priority] -= 1
+        self._count_tenant(request.tenant_id, -1)
+
+    def started_running(self, request: Request) -> None:
+        self._running_by_tenant[request.tenant_id] += 1
+
+    def stopped_running(self, request: Request) -> None:
+        self._running_by_tenant[request.tenant_id] -= 1
+
+    def _count_tenant(self, tenant_id: str, change: int) -> None:
+        self._unfinished_by_tenant[tenant_id] += change
+        if self._unfinished_by_tenant[tenant_id] == 0:
+            del self._unfinished_by_tenant[tenant_id]
+        if self._unfinished_by_tenant.get(tenant_id, 0) == max(change, 0):  # became active or inactive
+            self.active_weight = sum(self._tenants.weight(t) for t in self._unfinished_by_tenant)
+
+    # ---- questions -------------------------------------------------------------------------
+
+    def has_unfinished(self, priority: PriorityClass) -> bool:
+        return self._unfinished_by_class[priority] > 0
+
+    @property
+    def num_active_tenants(self) -> int:
+        """Tenants with an unfinished request of either class."""
+        return len(self._unfinished_by_tenant)
+
+    def at_max_concurrent(self, tenant_id: str) -> bool:
+        limit = self._tenants.get(tenant_id).limits.max_concurrent
+        return limit is not None and self._running_by_tenant[tenant_id] >= limit

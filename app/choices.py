@@ -73,9 +73,17 @@ class ChoiceSet:
                      cached_tokens=sum(u.cached_tokens for u in owners))
 
     async def collect_all(self) -> list[TextPiece]:
-        """Every choice's whole output; the first failure cancels (and so aborts) the others."""
-        async with asyncio.TaskGroup() as group:
-            tasks = [group.create_task(collect(g)) for g in self.generations]
+        """Every choice's whole output; the first failure cancels (and so aborts) the others. Raises
+        the first GenerationFailed as itself: the task group wraps it in an ExceptionGroup, which
+        the routes would answer with a bare 500 instead of the engine's reason."""
+        try:
+            async with asyncio.TaskGroup() as group:
+                tasks = [group.create_task(collect(g)) for g in self.generations]
+        except ExceptionGroup as failures:
+            failed = next((e for e in failures.exceptions if isinstance(e, GenerationFailed)), None)
+            if failed is None:
+                raise
+            raise failed from None
         return [task.result() for task in tasks]
 
     async def interleaved(self) -> AsyncGenerator[tuple[int, TextPiece], None]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from app.admission import AdmissionGate
@@ -10,6 +11,7 @@ from config.settings import Settings
 from gpu.plan import CacheGeometry
 from gpu.tokenizer import Tokenizer
 from scheduling.engine import Engine
+from scheduling.snapshot import SchedulerSnapshot
 
 
 @dataclass(slots=True)
@@ -19,6 +21,8 @@ class ServingContext:
     tokenizer: Tokenizer
     created: int = field(default_factory=lambda: int(time.time()))  # reported as the model's creation time
     is_draining: bool = False  # set once on shutdown: new generations get 503, /health says not ready
+    # On a cluster's ingress: each replica's latest snapshot, for /metrics (this engine never steps).
+    replica_snapshots: Callable[[], Mapping[str, SchedulerSnapshot]] | None = None
     gate: AdmissionGate = field(init=False)  # authentication, class rights and quotas, per the engine's tenants
 
     def __post_init__(self) -> None:

@@ -12,14 +12,15 @@ Names carry the `fairlane:` prefix; with `metrics_names = "vllm"` every family i
 `vllm:`. Each metric that vLLM's published Grafana dashboard queries exists here with vLLM's name,
 meaning and buckets (request-time histograms add finer buckets below vLLM's first), split by
 tenant and class where vLLM has one series. Every series carries `model_name`, as in vLLM. Label
-values are bounded: a tenant label is a tenant of the registry or "unknown".
+values are bounded: a tenant label is a tenant of the registry or "unknown". On a cluster's ingress
+the engine state is each replica's, from its latest report, with a `replica` label.
 """
 
 from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
@@ -216,72 +217,113 @@ def queued_by_tenant(snapshot: SchedulerSnapshot, labels: TenantLabels) -> dict[
 
 
 class _Families:
-    """Makes metric families whose every series starts with the model_name label."""
+    """Makes metric families whose every series starts with the model_name label (then, for a
+    replica's engine state on a cluster's ingress, its replica label)."""
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, more_leading: tuple[tuple[str, str], ...] = ()) -> None:
         self.model_name = model_name
+        self._leading = (("model_name", model_name), *more_leading)  # (label, value) every series starts with
+
+    def labelled(self, label: str, value: str) -> _Families:
+        """These families with one more leading label."""
+        return _Families(self.model_name, (*self._leading[1:], (label, value)))
 
     def gauge(self, name: str, what: str, *labels: str) -> _Family:
-        return _Family(GaugeMetricFamily(PREFIX + name, what, labels=["model_name", *labels]), self.model_name)
+        return self._family(GaugeMetricFamily, name, what, labels)
 
     def counter(self, name: str, what: str, *labels: str) -> _Family:
-        return _Family(CounterMetricFamily(PREFIX + name, what, labels=["model_name", *labels]), self.model_name)
+        return self._family(CounterMetricFamily, name, what, labels)
+
+    def _family(self, kind: type[GaugeMetricFamily | CounterMetricFamily], name: str, what: str,
+                labels: tuple[str, ...]) -> _Family:
+        names = [label for label, _ in self._leading]
+        return _Family(kind(PREFIX + name, what, labels=[*names, *labels]), tuple(v for _, v in self._leading))
 
 
 @dataclass(slots=True)
 class _Family:
     metric: GaugeMetricFamily | CounterMetricFamily
-    model_name: str
+    leading_values: tuple[str, ...]  # model_name's value, then any other leading label's
 
     def add(self, value: float, *label_values: str) -> _Family:
-        self.metric.add_metric([self.model_name, *label_values], value)
+        self.metric.add_metric([*self.leading_values, *label_values], value)
         return self
+
+
+def merged(families: Iterable[Metric]) -> list[Metric]:
+    """One family per name, in order of first appearance: the same families made for several
+    replicas, each replica's series added to the first one's."""
+    by_name: dict[str, Metric] = {}
+    for family in families:
+        first = by_name.setdefault(family.name, family)
+        if first is not family:
+            first.samples.extend(family.samples)
+    return list(by_name.values())
 
 
 def _or_nan(value: float | None) -> float:
     return math.nan if value is None else value
 
 
+# On a cluster's ingress: each live replica's latest snapshot, by replica id.
+ReplicaSnapshots = Callable[[], Mapping[str, SchedulerSnapshot]]
+
+
 class EngineCollector(Collector):
-    """Gauges and counters computed from the scheduler's snapshot and the plain counters when scraped."""
+    """Gauges and counters computed from the scheduler's snapshot and the plain counters when scraped.
+    With `replica_snapshots` (a cluster's ingress, whose own scheduler never steps) the engine's state
+    comes from each replica's snapshot instead, every series labelled with its `replica`."""
 
     def __init__(self, snapshot: Callable[[], SchedulerSnapshot], labels: TenantLabels, counts: RequestCounts,
-                 model_name: str) -> None:
+                 model_name: str, replica_snapshots: ReplicaSnapshots | None = None) -> None:
         self._snapshot = snapshot
+        self._replica_snapshots = replica_snapshots
         self._labels = labels
         self._counts = counts
         self._families = _Families(model_name)
 
     def collect(self) -> Iterator[Metric]:
-        snapshot = self._snapshot()
-        for family in (*self._requests(snapshot), *self._memory(snapshot), *self._scheduler_counters(snapshot),
-                       *self._step_cost(snapshot), *self._request_counters(), *self._batch_jobs()):
+        yield from merged(family.metric for family in self._engine_states())
+        for family in (*self._request_counters(), *self._batch_jobs()):
             yield family.metric
 
-    def _requests(self, snapshot: SchedulerSnapshot) -> Iterator[_Family]:
+    def _engine_states(self) -> Iterator[_Family]:
+        if self._replica_snapshots is None:
+            yield from self._engine_state(self._snapshot(), self._families)
+            return
+        for replica_id, snapshot in sorted(self._replica_snapshots().items()):
+            yield from self._engine_state(snapshot, self._families.labelled("replica", replica_id))
+
+    def _engine_state(self, snapshot: SchedulerSnapshot, families: _Families) -> Iterator[_Family]:
+        yield from self._requests(snapshot, families)
+        yield from self._memory(snapshot, families)
+        yield from self._scheduler_counters(snapshot, families)
+        yield from self._step_cost(snapshot, families)
+
+    def _requests(self, snapshot: SchedulerSnapshot, families: _Families) -> Iterator[_Family]:
         by_class = requests_by_class(snapshot)
         for state, what in (("running", "running"), ("waiting", "waiting to be scheduled"),
                             ("swapped", "preempted, their KV in the CPU swap pool")):
-            gauge = self._families.gauge(f"num_requests_{state}", f"Requests {what}.", "class")
+            gauge = families.gauge(f"num_requests_{state}", f"Requests {what}.", "class")
             for class_name, counts in by_class.items():
                 gauge.add(counts[state], class_name)
             yield gauge
-        waiting = self._families.gauge("tenant_requests_waiting", "Requests waiting, by tenant and class.",
-                                       "tenant", "class")
+        waiting = families.gauge("tenant_requests_waiting", "Requests waiting, by tenant and class.",
+                                 "tenant", "class")
         for class_name, by_tenant in queued_by_tenant(snapshot, self._labels).items():
             for tenant, count in by_tenant.items():
                 waiting.add(count, tenant, class_name)
         yield waiting
-        vtc = self._families.gauge("tenant_vtc_counter", "Virtual token counter of each tenant and class.",
-                                   "tenant", "class")
+        vtc = families.gauge("tenant_vtc_counter", "Virtual token counter of each tenant and class.",
+                             "tenant", "class")
         for class_name, counters in vtc_counters(snapshot, self._labels).items():
             for tenant, value in counters.items():
                 vtc.add(value, tenant, class_name)
         yield vtc
 
-    def _memory(self, snapshot: SchedulerSnapshot) -> Iterator[_Family]:
+    def _memory(self, snapshot: SchedulerSnapshot, families: _Families) -> Iterator[_Family]:
         kv, cpu = snapshot.kv_blocks.fraction, snapshot.cpu_blocks.fraction
-        gauge = self._families.gauge
+        gauge = families.gauge
         yield gauge("kv_cache_usage_perc", "Share of device KV blocks in use, 0 to 1.").add(kv)
         yield gauge("cpu_swap_usage_perc", "Share of CPU swap-pool blocks in use, 0 to 1.").add(cpu)
         # vLLM's older names of the two, which its published dashboard still queries.
@@ -289,8 +331,8 @@ class EngineCollector(Collector):
         yield gauge("cpu_cache_usage_perc", "Share of CPU swap-pool blocks in use, 0 to 1 (vLLM's older name)."
                     ).add(cpu)
 
-    def _scheduler_counters(self, snapshot: SchedulerSnapshot) -> Iterator[_Family]:
-        counter = self._families.counter
+    def _scheduler_counters(self, snapshot: SchedulerSnapshot, families: _Families) -> Iterator[_Family]:
+        counter = families.counter
         yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
                       ).add(snapshot.prefix_queried_tokens)
         yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.").add(snapshot.prefix_hit_tokens)
@@ -302,9 +344,9 @@ class EngineCollector(Collector):
         swap.add(snapshot.blocks_swapped_out * snapshot.bytes_per_block, "out")
         yield swap.add(snapshot.blocks_swapped_in * snapshot.bytes_per_block, "in")
 
-    def _step_cost(self, snapshot: SchedulerSnapshot) -> Iterator[_Family]:
+    def _step_cost(self, snapshot: SchedulerSnapshot, families: _Families) -> Iterator[_Family]:
         """The step cost model and step shaping (scheduling/step_shaper.py); NaN before the model is fitted."""
-        cost, gauge, counter = snapshot.step_cost, self._families.gauge, self._families.counter
+        cost, gauge, counter = snapshot.step_cost, families.gauge, families.counter
         yield gauge("step_time_predicted_seconds", "The last step's time as the cost model predicted it."
                     ).add(_or_nan(cost.predicted_s))
         yield gauge("step_time_measured_seconds", "The last step's measured time, schedule to events.").add(
@@ -360,13 +402,14 @@ class ServingMetrics:
     """The metrics of one app: its registry, the engine observer, and the rejection counter."""
 
     def __init__(self, snapshot: Callable[[], SchedulerSnapshot], tenants: TenantRegistry,
-                 options: MetricsOptions | None = None) -> None:
+                 options: MetricsOptions | None = None, replica_snapshots: ReplicaSnapshots | None = None) -> None:
         options = options or MetricsOptions()
         self.registry = CollectorRegistry()
         self.labels = TenantLabels(tenants)
         self.counts = RequestCounts()
         self.observer = RequestObserver(RequestHistograms(self.registry, options), self.labels, self.counts)
-        self.registry.register(EngineCollector(snapshot, self.labels, self.counts, options.model_name))
+        self.registry.register(EngineCollector(snapshot, self.labels, self.counts, options.model_name,
+                                               replica_snapshots))
         self._exposed = WithAliases(self.registry, options.alias_prefixes)
 
     def record_rejection(self, reason: RejectionReason, tenant_id: str | None = None) -> None:

@@ -23,7 +23,7 @@ from app.batch.database import StoreError
 from app.dashboard import DashboardFeed
 from app.errors import APIError
 from app.metric_names import MetricsOptions
-from app.metrics import RejectionReason, ServingMetrics, rejection_reason
+from app.metrics import RejectionReason, ReplicaSnapshots, ServingMetrics, rejection_reason
 from config.settings import Settings
 from scheduling.engine import Engine
 from tenancy.tenants import DEFAULT_TENANT, TenantRegistry
@@ -64,13 +64,15 @@ class Observability:
     @classmethod
     def attach(cls, engine: Engine, *, tenants: TenantRegistry | None = None,
                is_draining: Callable[[], bool] = lambda: False, dashboard_interval_s: float = 1.0,
-               options: MetricsOptions | None = None) -> Observability:
+               options: MetricsOptions | None = None, replica_snapshots: ReplicaSnapshots | None = None
+               ) -> Observability:
         """Metrics for this engine (tenant labels from `tenants`, by default the scheduler's), its
         observer appended to `engine.observers`. Without `options`, the model_name label is
-        "default" and token-count buckets reach the engine's context length."""
+        "default" and token-count buckets reach the engine's context length. With `replica_snapshots`
+        (a cluster's ingress) the engine gauges and counters are the replicas', labelled by replica."""
         tenants = tenants if tenants is not None else engine.tenants
         options = options or MetricsOptions(max_model_len=engine.executor.geometry.max_model_len)
-        metrics = ServingMetrics(lambda: engine.snapshot, tenants, options)
+        metrics = ServingMetrics(lambda: engine.snapshot, tenants, options, replica_snapshots)
         engine.observers.append(metrics.observer)
         dashboard = DashboardFeed(lambda: engine.snapshot, metrics, interval_s=dashboard_interval_s,
                                   is_draining=is_draining)

@@ -68,7 +68,8 @@ def create_app(context: ServingContext) -> ASGIApp:
 
     settings = context.settings
     options = metrics_options(settings, context.model_name, context.geometry.max_model_len)
-    observability = Observability.attach(context.engine, is_draining=lambda: context.is_draining, options=options)
+    observability = Observability.attach(context.engine, is_draining=lambda: context.is_draining, options=options,
+                                         replica_snapshots=context.replica_snapshots)
     observability.guard = context.gate.authorize_operator
     observability.metrics_public = settings.metrics_public
     observability.count_batches = batches.store.count_batches

@@ -40,7 +40,8 @@ class OpenAIIngress:
                                max_queued_requests=settings.max_queued_requests,
                                stall_after_s=settings.engine_stall_s,
                                report_max_age_s=max(2.0, REPORT_MAX_AGE_INTERVALS * settings.vtc_sync_interval_s))
-        self.context = ServingContext(settings, engine, description.tokenizer)
+        self.context = ServingContext(settings, engine, description.tokenizer,
+                                      replica_snapshots=engine.replica_snapshots)
 
     def __serve_build_asgi_app__(self) -> ASGIApp:
         settings = self.context.settings

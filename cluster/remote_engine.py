@@ -22,6 +22,7 @@ from gpu.plan import CacheGeometry, StepPlan, StepResult, StructuredOutput
 from scheduling.engine import Engine, EngineHealth, RequestStream
 from scheduling.request import Request, RequestId, RequestStatus, TokenEvent, finish_reason
 from scheduling.scheduler import Scheduler
+from scheduling.snapshot import SchedulerSnapshot
 
 logger = logging.getLogger(__name__)
 
@@ -127,6 +128,10 @@ class ClusterEngine(Engine):
         if any(r.is_healthy for r in reports):
             return EngineHealth(True)
         return EngineHealth(False, "; ".join(f"replica {r.replica_id}: {r.reason}" for r in reports))
+
+    def replica_snapshots(self) -> dict[str, SchedulerSnapshot]:
+        """Each live replica's latest scheduler snapshot, by replica id: the ingress's /metrics."""
+        return {r.replica_id: r.snapshot for r in self.board_view.reports if r.snapshot is not None}
 
     def stats(self) -> dict[str, Any]:
         """The replicas' /stats added up, each replica's own under `replicas`."""

@@ -40,7 +40,6 @@ class EngineReplica:
         self._runner = runner
         self.replica_id: str = serve.get_replica_context().replica_id.unique_id
         self._meter = ServiceMeter(self.engine.scheduler)
-        self.engine.observers.append(self._meter)
         await self.engine.start()
         self._sync_task = asyncio.create_task(self._sync_forever(), name="fairlane-board-sync")
 
@@ -93,7 +92,7 @@ class EngineReplica:
         health = self.engine.health()
         service = self._meter.take()
         report = ReplicaReport(self.replica_id, service, health.is_healthy, health.reason,
-                               self.stats(), time.time())
+                               self.stats(), time.time(), self.engine.snapshot)
         try:
             others = await self._board.exchange.remote(report)
         except Exception:

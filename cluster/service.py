@@ -13,46 +13,40 @@ import time
 from collections import defaultdict
 
 from cluster.wire import ReplicaReport, ServiceByTenant
-from scheduling.request import PriorityClass, Request, RequestId, TokenEvent
+from scheduling.request import PriorityClass
 from scheduling.scheduler import Scheduler
 
 
 class ServiceMeter:
-    """An engine observer that adds up the service each tenant receives, in the units the scheduler
-    charges its VTC counters: the prompt (computed and cached tokens) when its first token comes,
-    then each generated token. `take()` hands over what accrued since the last call."""
+    """The service this replica gave each tenant, read from its scheduler's VTC counters: exactly what
+    `charge` added to them for work done here (prompt tokens as each chunk is computed, cached prompt
+    tokens at admission, each sampled token), never the lifts nor the others' service folded in.
+    `take()` hands over what was charged since the last call, so the board hears of a long prompt's
+    prefill as it happens and not only when its first token comes."""
 
     def __init__(self, scheduler: Scheduler) -> None:
         self._scheduler = scheduler
-        self._accrued: dict[str, defaultdict[str, float]] = defaultdict(lambda: defaultdict(float))
-        self._outputs_seen: dict[RequestId, int] = {}
-
-    def on_tokens(self, request: Request, event: TokenEvent, now: float) -> None:
-        vtc = self._scheduler.vtc[request.priority]
-        seen = self._outputs_seen.get(request.request_id)
-        if seen is None:  # the first token: the prompt was computed (or found cached) for it
-            num_computed = event.num_prompt_tokens - event.num_cached_tokens
-            service = vtc.service(num_computed, 0, event.num_cached_tokens)
-            seen = 0
-        else:
-            service = 0.0
-        service += vtc.service(0, event.num_output_tokens - seen)
-        self._outputs_seen[request.request_id] = event.num_output_tokens
-        self._accrued[request.priority.value][request.tenant_id] += service
-
-    def on_finished(self, request: Request, event: TokenEvent, now: float) -> None:
-        self._outputs_seen.pop(request.request_id, None)
+        # Per class, per tenant: the counters' charged service as of the last take (less any given back).
+        self._reported: dict[str, dict[str, float]] = {}
 
     def take(self) -> ServiceByTenant:
-        accrued = {name: dict(tenants) for name, tenants in self._accrued.items() if tenants}
-        self._accrued.clear()
-        return accrued
+        taken: ServiceByTenant = {}
+        for priority, vtc in self._scheduler.vtc.items():
+            charged = vtc.charged_service()
+            reported = self._reported.get(priority.value, {})
+            new = {tenant_id: amount - reported.get(tenant_id, 0.0) for tenant_id, amount in charged.items()
+                   if amount > reported.get(tenant_id, 0.0)}
+            if new:
+                taken[priority.value] = new
+            self._reported[priority.value] = charged
+        return taken
 
     def give_back(self, service: ServiceByTenant) -> None:
         """Service taken for a report that never reached the board: it goes out with the next one."""
         for name, tenants in service.items():
+            reported = self._reported[name]
             for tenant_id, amount in tenants.items():
-                self._accrued[name][tenant_id] += amount
+                reported[tenant_id] -= amount
 
 
 def fold_service(scheduler: Scheduler, service: ServiceByTenant) -> None:

@@ -11,6 +11,7 @@ from gpu.tokenizer import Tokenizer
 from scheduling.prefix_cache import extend_block_hashes
 from scheduling.request import Request, TokenEvent
 from scheduling.scheduler import SchedulerConfig
+from scheduling.snapshot import SchedulerSnapshot
 from tenancy.tenants import TenantRegistry
 
 # Per class, per tenant: unweighted VTC service (the units of VirtualTokenCounter.service).
@@ -52,7 +53,8 @@ class ReplicaDescription:
 @dataclass(slots=True, frozen=True)
 class ReplicaReport:
     """A replica's periodic report to the board: the service it gave since its last report, its
-    health and its /stats. The board keeps the latest per replica for the ingress's /health and /stats."""
+    health, its /stats and its scheduler's snapshot. The board keeps the latest per replica for the
+    ingress's /health, /stats and /metrics."""
 
     replica_id: str
     service: ServiceByTenant  # since the previous report
@@ -60,6 +62,7 @@ class ReplicaReport:
     reason: str | None
     stats: dict[str, Any] = field(default_factory=dict)
     sent_at: float = 0.0  # time.time() on the replica: the board and the ingress judge staleness by it
+    snapshot: SchedulerSnapshot | None = None  # its scheduler's, for the ingress's /metrics
 
 
 def ended_event(request: Request, last: TokenEvent | None, finish_reason: str, error: str | None = None

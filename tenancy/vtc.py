@@ -24,6 +24,8 @@ class VirtualTokenCounter:
         self.weights = weights
         self._tenant_weight = tenant_weight
         self._counters: dict[str, float] = {}
+        # Unweighted service charged for work done here (not lifts, not service folded in from elsewhere).
+        self._charged: dict[str, float] = {}
 
     def get(self, tenant_id: str) -> float:
         return self._counters.get(tenant_id, 0.0)
@@ -40,6 +42,13 @@ class VirtualTokenCounter:
         cost = self.service(num_prompt, num_decode, num_cached_prompt)
         if cost:
             self._counters[tenant_id] = self.get(tenant_id) + cost / self._tenant_weight(tenant_id)
+            self._charged[tenant_id] = self._charged.get(tenant_id, 0.0) + cost
+
+    def charged_service(self) -> dict[str, float]:
+        """Per tenant, the unweighted service `charge` has added up since the start: exactly what this
+        counter was charged for work done here, so a reader that takes differences of it (a cluster
+        replica telling the others what it served) counts each charge once, when it is made."""
+        return dict(self._charged)
 
     def lift(self, tenant_id: str, backlogged: Iterable[str]) -> None:
         """Called when tenant_id becomes backlogged: raise it to the smallest backlogged counter.

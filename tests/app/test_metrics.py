@@ -215,6 +215,25 @@ def test_preemption_and_swap_counters() -> None:
     assert done.value("fairlane:cpu_swap_usage_perc") == 0
 
 
+def test_a_cluster_ingress_shows_each_replicas_engine_state_labelled_by_replica() -> None:
+    ingress, busy, idle = (make_scheduler(tenants=TWO_TENANTS) for _ in range(3))
+    busy.add_request(make_request(8, 4, tenant_id="alice"))
+    run_step(busy, FakeExecutor(busy.geometry))
+    metrics = ServingMetrics(ingress.snapshot, ingress.tenants,
+                             replica_snapshots=lambda: {"r2": idle.snapshot(), "r1": busy.snapshot()})
+
+    text = metrics.exposition().decode()
+    now = Scrape.parse(text)
+    assert now.value("fairlane:num_requests_running", {"replica": "r1", "class": "interactive"}) == 1
+    assert now.value("fairlane:num_requests_running", {"replica": "r2", "class": "interactive"}) == 0
+    assert now.value("fairlane:kv_cache_usage_perc", {"replica": "r1"}) == 2 / 64
+    assert now.value("fairlane:tenant_vtc_counter", {"replica": "r1", "tenant": "alice", "class": "interactive"}) > 0
+    assert now.value("fairlane:num_preemptions_total", {"replica": "r2", "mode": "swap"}) == 0
+    assert now.get("fairlane:num_requests_running", {"class": "interactive"}) is None  # nothing from the ingress's own
+    assert text.count("# TYPE fairlane:num_requests_running gauge") == 1  # one family, a series per replica
+    assert now.get("fairlane:requests_rejected_total", {"replica": "r1"}) is None
+
+
 def test_rejections_by_reason_and_bounded_tenant() -> None:
     scheduler = make_scheduler(tenants=TWO_TENANTS)
     metrics = ServingMetrics(scheduler.snapshot, scheduler.tenants)

@@ -121,6 +121,22 @@ def test_a_dead_engine_loop_fails_requests_loudly_and_stops_the_server() -> None
     assert not health.is_healthy and health.reason is not None and "injected update failure" in health.reason
 
 
+def test_a_failed_step_answers_a_whole_response_with_the_engines_reason() -> None:
+    server = ServerThread(instant_context()).start()
+
+    def execute(plan: Any) -> Any:
+        raise RuntimeError("injected step failure")
+
+    server.context.engine.executor.execute = execute  # type: ignore[method-assign]
+    try:
+        answer = httpx.post(server.base_url + "/v1/completions", json=completion(server), timeout=20)
+    finally:
+        server.stop()
+
+    assert answer.status_code == 500
+    assert answer.json()["error"]["message"] == "the engine failed: RuntimeError"
+
+
 async def test_one_tenants_flood_is_not_anothers_503(tenants_file: Path) -> None:
     server, executor = stepped_server(tenants_file, max_queued_requests=4)
     try:

@@ -1,14 +1,17 @@
 """`fairlane serve --replicas 2` end to end: the official openai client against two replicas of
 builtin:tiny on a local Ray instance, all on loopback. One cluster serves the whole module (Ray and
-two model loads take tens of seconds); the test that kills a replica runs last."""
+two model loads take tens of seconds); the tests that kill a replica run last."""
 
 from __future__ import annotations
 
+import io
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,6 +20,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tenancy.tenants import hash_api_key
 from tests.app.conftest import wait_for
@@ -41,6 +45,8 @@ max_concurrent = {MAX_CONCURRENT}
 """
 START_TIMEOUT_S = 150
 LONG = 1500  # max_tokens of a stream that the test ends long before it would end by itself
+NUM_BATCH_ITEMS = 8
+BATCH_ITEM_TOKENS = 300  # long enough that items are still running when their replica is killed
 
 
 @dataclass(slots=True)
@@ -57,6 +63,12 @@ class Cluster:
         response.raise_for_status()
         stats: dict[str, Any] = response.json()
         return stats
+
+    def metrics(self) -> str:
+        response = httpx.get(f"{self.base_url}/metrics", headers={"authorization": f"Bearer {ADMIN_KEY}"},
+                             timeout=10)
+        response.raise_for_status()
+        return response.text
 
     def is_healthy(self) -> bool:
         try:
@@ -113,6 +125,31 @@ def total(stats: dict[str, Any], key: str) -> int:
     return sum(int(replica[key]) for replica in stats["replicas"].values())
 
 
+def is_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def has_two_live_replicas(cluster: Cluster) -> bool:
+    """Both replicas report, healthy, and neither is one killed earlier (its last report ages out)."""
+    replicas = cluster.stats()["replicas"].values()
+    return len(replicas) == 2 and all(r["healthy"] and is_alive(r["pid"]) for r in replicas)
+
+
+def replica_series(exposition: str) -> dict[str, set[str]]:
+    """Per sample name, the replica label values of its series."""
+    found: dict[str, set[str]] = {}
+    for family in text_string_to_metric_families(exposition):
+        for sample in family.samples:
+            if "replica" in sample.labels:
+                assert sample.labels["model_name"] == MODEL
+                found.setdefault(sample.name, set()).add(sample.labels["replica"])
+    return found
+
+
 def test_chat_streams_through_the_official_client(cluster: Cluster) -> None:
     with cluster.client() as client:
         stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hello"}],
@@ -167,6 +204,18 @@ def test_max_concurrent_is_counted_across_replicas(cluster: Cluster) -> None:
         assert client.completions.create(model=MODEL, prompt="now there is room", max_tokens=2).choices
 
 
+def test_metrics_cover_every_replica_labelled_by_replica(cluster: Cluster) -> None:
+    replica_ids = set(cluster.stats()["replicas"])
+    series = replica_series(cluster.metrics())
+
+    for name in ("fairlane:num_requests_running", "fairlane:num_requests_waiting", "fairlane:num_requests_swapped",
+                 "fairlane:kv_cache_usage_perc", "fairlane:cpu_swap_usage_perc", "fairlane:num_preemptions_total",
+                 "fairlane:prefix_cache_queries_total", "fairlane:prefix_cache_hits_total",
+                 "fairlane:step_time_measured_seconds", "fairlane:tenant_vtc_counter"):
+        assert series.get(name) == replica_ids, name
+    assert "fairlane:request_success_total" not in series  # the ingress's own counters, once
+
+
 def test_a_killed_replica_fails_its_streams_and_the_other_serves_on(cluster: Cluster) -> None:
     stream = long_stream(cluster)
     next(iter(stream))
@@ -181,3 +230,43 @@ def test_a_killed_replica_fails_its_streams_and_the_other_serves_on(cluster: Clu
         answer = client.completions.create(model=MODEL, prompt="still there?", max_tokens=4)
     assert answer.choices[0].finish_reason in ("length", "stop")
     assert cluster.is_healthy()
+
+
+def batch_line(number: int) -> str:
+    body = {"model": MODEL, "prompt": f"batch item {number}", "max_tokens": BATCH_ITEM_TOKENS, "ignore_eos": True}
+    return json.dumps({"custom_id": f"item-{number}", "method": "POST", "url": "/v1/completions", "body": body})
+
+
+def file_lines(client: openai.OpenAI, file_id: str | None) -> list[dict[str, Any]]:
+    if file_id is None:
+        return []
+    return [json.loads(line) for line in client.files.content(file_id).text.splitlines()]
+
+
+def test_a_batch_ends_each_item_exactly_once_across_a_replica_restart(cluster: Cluster) -> None:
+    """Items running on the killed replica end with an error line that says so, the others with their
+    result: no item is lost or written twice."""
+    wait_for(lambda: has_two_live_replicas(cluster), timeout=START_TIMEOUT_S, interval=0.5,
+             what="Ray Serve to restart the replica killed before")
+    content = "\n".join(batch_line(i) for i in range(NUM_BATCH_ITEMS)).encode()
+    with cluster.client() as client:
+        file_id = client.files.create(file=("items.jsonl", io.BytesIO(content)), purpose="batch").id
+        batch = client.batches.create(input_file_id=file_id, endpoint="/v1/completions", completion_window="24h")
+        wait_for(lambda: cluster.stats()["running"] > 0, timeout=30, interval=0.1, what="batch items to run")
+        victim = max(cluster.stats()["replicas"].values(), key=lambda r: int(r["running"]))
+        os.kill(victim["pid"], signal.SIGKILL)
+        wait_for(lambda: client.batches.retrieve(batch.id).status not in ("validating", "in_progress", "finalizing"),
+                 timeout=180, interval=0.5, what="the batch to end")
+        done = client.batches.retrieve(batch.id)
+        results, errors = file_lines(client, done.output_file_id), file_lines(client, done.error_file_id)
+
+    ended = Counter(line["custom_id"] for line in results + errors)
+    assert done.status == "completed"
+    assert ended == Counter(f"item-{i}" for i in range(NUM_BATCH_ITEMS))  # each exactly once
+    assert all(line["response"]["status_code"] == 200 for line in results)
+    assert errors  # the kill hit running items
+    for line in errors:
+        assert line["response"]["status_code"] == 500
+        assert "replica serving this request failed" in line["response"]["body"]["error"]["message"]
+    assert done.request_counts is not None
+    assert (done.request_counts.completed, done.request_counts.failed) == (len(results), len(errors))

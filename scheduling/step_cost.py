@@ -68,7 +68,7 @@ class CostCoefficients:
 
 
 class StepCostModel:
-    def __init__(self, window: int = 256, refit_every: int = 8, min_samples: int = 16) -> None:
+    def __init__(self, window: int = 256, refit_every: int = 16, min_samples: int = 16) -> None:
         self.window = window
         self.refit_every = refit_every
         self.min_samples = min_samples
@@ -78,6 +78,9 @@ class StepCostModel:
         self.coefficients: CostCoefficients | None = None  # None until min_samples steps were seen
         self.last_predicted_s: float | None = None
         self.last_measured_s: float | None = None
+        # Median |predicted - measured| / measured over the recent predictions, as of the last refit (the
+        # scheduler's snapshot reads it every step; sorting the window that often would be waste).
+        self.median_error: float | None = None
 
     def predict(self, work: StepWork) -> float | None:
         return None if self.coefficients is None else self.coefficients.predict(work)
@@ -94,11 +97,9 @@ class StepCostModel:
                                                         or self._since_fit >= self.refit_every):
             self.coefficients = fit(self._samples)
             self._since_fit = 0
-
-    @property
-    def median_error(self) -> float | None:
-        """Median absolute relative error of the recent predictions."""
-        return median(self._errors) if self._errors else None
+            self.median_error = median(self._errors) if self._errors else None
+        elif self.median_error is None and self._errors:  # the first predictions: do not wait for a refit
+            self.median_error = median(self._errors)
 
 
 def fit(samples: deque[tuple[tuple[float, ...], float]], rounds: int = 3) -> CostCoefficients:
@@ -117,8 +118,15 @@ def nonnegative_least_squares(terms: np.ndarray, times: np.ndarray) -> np.ndarra
     five terms, a plain active-set loop is enough). Terms that never vary are dropped too."""
     active = [i for i in range(terms.shape[1]) if i == 0 or np.ptp(terms[:, i]) > 0]
     coefficients = np.zeros(terms.shape[1])
+    # The normal equations are 5 x 5: solving them is a few microseconds where lstsq on the whole window
+    # took hundreds, and the fit runs on the event loop between steps. Terms are of one scale
+    # (ATTENTION_UNIT), so their conditioning is fine; lstsq stays the fallback for a singular system.
+    gram, moments = terms.T @ terms, terms.T @ times
     while active:
-        solved, *_ = np.linalg.lstsq(terms[:, active], times, rcond=None)
+        try:
+            solved = np.linalg.solve(gram[np.ix_(active, active)], moments[active])
+        except np.linalg.LinAlgError:
+            solved, *_ = np.linalg.lstsq(terms[:, active], times, rcond=None)
         if (solved >= 0).all():
             coefficients[active] = solved
             break

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncGenerator, Sequence
 from contextlib import aclosing
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from app.detokenizer import IncrementalDetokenizer
@@ -146,7 +146,7 @@ def merged(first: TokenEvent, later: Sequence[TokenEvent]) -> TokenEvent:
     tokens = first.new_token_ids + tuple(token for event in later for token in event.new_token_ids)
     logprobs = first.logprobs + tuple(entry for event in later for entry in event.logprobs)
     prompt_logprobs = first.prompt_logprobs + tuple(entry for event in later for entry in event.prompt_logprobs)
-    return replace(later[-1], new_token_ids=tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+    return later[-1]._replace(new_token_ids=tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
 
 
 async def collect(generation: TextGeneration) -> TextPiece:

@@ -82,12 +82,16 @@ def fake_token(request_id: str, position: int, vocab_size: int) -> int:
 class FakeExecutor:
     """Deterministic tokens and a virtual clock: `clock` is the sum of every step's cost so far."""
 
-    def __init__(self, geometry: CacheGeometry, costs: StepCostModel | None = None, vocab_size: int = 320) -> None:
+    def __init__(self, geometry: CacheGeometry, costs: StepCostModel | None = None, vocab_size: int = 320,
+                 keep_plans: bool = True) -> None:
         self._geometry = geometry
         self.costs: StepCostModel = costs or TokenCosts()
         self.vocab_size = vocab_size
         self.clock = 0.0  # virtual seconds spent in all steps so far
         self.tally = TokenTally()
+        # Every plan run, for tests to read; a long benchmark turns it off (they would pile up for the
+        # garbage collector to walk, and its pauses would be timed as the scheduler's).
+        self.keep_plans = keep_plans
         self.plans: list[StepPlan] = []
 
     @property
@@ -98,7 +102,8 @@ class FakeExecutor:
         return fake_token(request_id, position, self.vocab_size)
 
     def execute(self, plan: StepPlan) -> StepResult:
-        self.plans.append(plan)
+        if self.keep_plans:
+            self.plans.append(plan)
         cost = self.costs.seconds(plan)
         self.clock += cost
         self._count(plan)

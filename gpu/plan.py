@@ -44,6 +44,12 @@ class SamplingParams:
     # prompt is then computed whole, never taken from the prefix cache.
     prompt_logprobs: int | None = None
     structured: StructuredOutput | None = None  # response_format and forced tool calls
+    # Whether a sequence of this request may carry the request's tokens (needs_history, or prompt_logprobs):
+    # derived once here, because the scheduler asks for every running request at every step.
+    carries_tokens: bool = field(init=False, default=False, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "carries_tokens", self.needs_history or self.prompt_logprobs is not None)
 
     @property
     def is_greedy(self) -> bool:
@@ -68,7 +74,7 @@ class ScheduledSequence:
     request_id: str
     token_ids: list[int]  # the tokens fed this step, at positions start_position onward
     start_position: int  # tokens before this one already have their K/V in the cache
-    block_table: list[int]  # device block ids covering positions [0, start_position + len(token_ids))
+    block_table: tuple[int, ...]  # device block ids covering positions [0, start_position + len(token_ids))
     needs_sample: bool  # True when this chunk reaches the end of the known tokens
     sampling: SamplingParams
     # Filled only when needs_sample and sampling.needs_history (penalties, min_tokens), or for the

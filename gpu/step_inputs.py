@@ -37,7 +37,7 @@ def decodes_first(sequences: Sequence[ScheduledSequence]) -> list[ScheduledSeque
 def padded_block_tables(sequences: Sequence[ScheduledSequence], device: torch.device) -> torch.Tensor:
     """[sequences, widest table] block ids; the padding (block 0) is never read unmasked."""
     width = max(len(s.block_table) for s in sequences)
-    rows = [s.block_table + [0] * (width - len(s.block_table)) for s in sequences]
+    rows = [[*s.block_table, *[0] * (width - len(s.block_table))] for s in sequences]
     return torch.tensor(rows, dtype=torch.long, device=device)
 
 

@@ -11,7 +11,9 @@ free block that still holds a cached hash) never touches a block in use.
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 from scheduling.prefix_cache import extend_block_hashes
 from scheduling.request import Request
@@ -51,7 +53,7 @@ class BlockPool:
             taken.append(block)
         return taken
 
-    def free(self, block_ids: list[int]) -> None:
+    def free(self, block_ids: Sequence[int]) -> None:
         """Drop one reference from each block; a block with none left joins the free queue.
         Freed tail-first, so a sequence's last blocks are reused before its shared prefix."""
         for block in reversed(block_ids):
@@ -96,7 +98,9 @@ class _BlockTable:
     """One request's blocks. Only the manager reads or writes it; the request holds none of it."""
 
     tenant_id: str
-    device: list[int] = field(default_factory=list)  # position order
+    # Position order. A tuple, replaced when it grows (every block_size tokens), so a plan can carry it
+    # by reference: no copy per sequence per step, and no later change reaches a plan already built.
+    device: tuple[int, ...] = ()
     cpu: list[int] = field(default_factory=list)  # while swapped out
     num_registered: int = 0  # leading device blocks already entered in the prefix cache
 
@@ -117,15 +121,18 @@ class KVBlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.prefix_counters = PrefixCacheCounters()
         self._tables: dict[str, _BlockTable] = {}
+        # Each request's device blocks again, by request id alone: what the scheduler reads for every running
+        # request at every step, through `device_tables`, without a method call.
+        self._device_tables: dict[str, tuple[int, ...]] = {}
+        self.device_tables: Mapping[str, tuple[int, ...]] = MappingProxyType(self._device_tables)
         self._hashes: dict[str, list[bytes]] = {}  # each request's hash chain, grown lazily (derived data)
         self._device_blocks_by_tenant: Counter[str] = Counter()
 
     # ---- questions (change nothing) --------------------------------------------------------
 
-    def block_table(self, request_id: str) -> list[int]:
-        """A copy of the request's device blocks, in position order."""
-        table = self._tables.get(request_id)
-        return list(table.device) if table else []
+    def block_table(self, request_id: str) -> tuple[int, ...]:
+        """The request's device blocks, in position order (immutable: safe to keep)."""
+        return self._device_tables.get(request_id, ())
 
     def cpu_blocks(self, request_id: str) -> list[int]:
         table = self._tables.get(request_id)
@@ -189,8 +196,7 @@ class KVBlockManager:
             self.device.share(block)
         fresh = self.device.allocate(num_fresh)
         assert fresh is not None  # checked above
-        table.device.extend(cached_prefix)
-        table.device.extend(fresh)
+        self._set_device_blocks(request.request_id, table, (*table.device, *cached_prefix, *fresh))
         table.num_registered = max(table.num_registered, len(cached_prefix))
         self._device_blocks_by_tenant[table.tenant_id] += len(cached_prefix) + len(fresh)
         return True
@@ -216,6 +222,7 @@ class KVBlockManager:
     def free(self, request_id: str) -> None:
         """Return the request's device and CPU blocks (cached ones stay findable until reused)."""
         table = self._tables.pop(request_id, None)
+        self._device_tables.pop(request_id, None)
         if table is not None:
             self.device.free(table.device)
             self.cpu.free(table.cpu)
@@ -231,7 +238,8 @@ class KVBlockManager:
         pairs = list(zip(table.device, cpu_blocks, strict=True))
         self.device.free(table.device)
         self._device_blocks_by_tenant[table.tenant_id] -= len(table.device)
-        table.device, table.cpu, table.num_registered = [], cpu_blocks, 0
+        self._set_device_blocks(request.request_id, table, ())
+        table.cpu, table.num_registered = cpu_blocks, 0
         return pairs
 
     def swap_in(self, request: Request) -> list[tuple[int, int]] | None:
@@ -242,9 +250,15 @@ class KVBlockManager:
             return None
         pairs = list(zip(table.cpu, device_blocks, strict=True))
         self.cpu.free(table.cpu)
-        table.device, table.cpu = device_blocks, []
+        self._set_device_blocks(request.request_id, table, tuple(device_blocks))
+        table.cpu = []
         self._device_blocks_by_tenant[table.tenant_id] += len(device_blocks)
+        self.cache_computed_blocks(request)  # so every computed full block is registered (see Scheduler.update)
         return pairs
+
+    def _set_device_blocks(self, request_id: str, table: _BlockTable, blocks: tuple[int, ...]) -> None:
+        table.device = blocks
+        self._device_tables[request_id] = blocks
 
     def _hash_chain(self, request: Request, num_blocks: int) -> list[bytes]:
         hashes = self._hashes.setdefault(request.request_id, [])

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Container, Iterator
 from typing import Protocol
 
@@ -26,6 +26,9 @@ class RequestQueue(Protocol):
 
     def remove(self, request: Request) -> None: ...
 
+    def queued_by_tenant(self) -> dict[str, int]:
+        """Waiting requests per tenant with any, without walking the queue."""
+
     def __len__(self) -> int: ...
 
     def __iter__(self) -> Iterator[Request]: ...
@@ -36,18 +39,27 @@ class FCFSQueue:
 
     def __init__(self) -> None:
         self._requests: deque[Request] = deque()
+        self._by_tenant: Counter[str] = Counter()
 
     def add(self, request: Request) -> None:
         self._requests.append(request)
+        self._by_tenant[request.tenant_id] += 1
 
     def prepend(self, request: Request) -> None:
         self._requests.appendleft(request)
+        self._by_tenant[request.tenant_id] += 1
 
     def peek(self, exclude: Container[str] = ()) -> Request | None:
         return next((r for r in self._requests if r.tenant_id not in exclude), None)
 
     def remove(self, request: Request) -> None:
         self._requests.remove(request)
+        self._by_tenant[request.tenant_id] -= 1
+        if not self._by_tenant[request.tenant_id]:
+            del self._by_tenant[request.tenant_id]
+
+    def queued_by_tenant(self) -> dict[str, int]:
+        return dict(self._by_tenant)
 
     def __len__(self) -> int:
         return len(self._requests)

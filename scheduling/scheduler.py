@@ -15,23 +15,24 @@ from __future__ import annotations
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from types import MappingProxyType
 
-from gpu.plan import CacheGeometry, ScheduledSequence, StepPlan, StepResult, TokenLogprobs
+from gpu.plan import CacheGeometry, StepPlan, StepResult, TokenLogprobs
 from scheduling.block_manager import KVBlockManager
 from scheduling.preemption import PreemptionEvent, PreemptionMode, choose_victim
 from scheduling.queue import RequestQueue, create_request_queue
 from scheduling.request import PriorityClass, Request, RequestId, RequestStatus, TokenEvent, finish_reason
 from scheduling.snapshot import BlockUse, ClassLoad, SchedulerSnapshot, StepCostStats
 from scheduling.step_builder import StepBuilder
-from scheduling.step_cost import StepWork
+from scheduling.step_cost import CostCoefficients, StepWork
 from scheduling.step_shaper import ShapingConfig, StepShaper
 from scheduling.tenant_load import TenantLoad
 from tenancy.tenants import TenantRegistry
 from tenancy.vtc import ServiceWeights, VirtualTokenCounter
 
 CLASSES = (PriorityClass.INTERACTIVE, PriorityClass.BATCH)
+COEFFICIENT_FIELDS = fields(CostCoefficients)
 
 
 @dataclass(slots=True, frozen=True)
@@ -150,8 +151,8 @@ class Scheduler:
         return plan
 
     def _batch_reserve(self) -> int:
-        has_batch = any(r.priority is PriorityClass.BATCH for r in self.running) or len(
-            self.waiting[PriorityClass.BATCH]) or any(r.priority is PriorityClass.BATCH for r in self.swapped)
+        """batch_min_share's tokens while any batch request is unfinished (waiting, running or swapped)."""
+        has_batch = self.load.has_unfinished(PriorityClass.BATCH)
         return int(self.config.batch_min_share * self.config.max_num_batched_tokens) if has_batch else 0
 
     def _make_room_for_interactive(self, plan: StepPlan, budget: int) -> tuple[bool, InteractiveDemand]:
@@ -173,8 +174,9 @@ class Scheduler:
             demand.tokens += take
             self.shaper.add_demand(demand.work, take, request.num_computed_tokens)
         preempted = False
-        while slots_needed and (blocks_needed > self.blocks.device.num_free
-                                or len(self.running) + slots_needed > self.config.max_num_seqs):
+        while slots_needed and self.load.num_running(PriorityClass.BATCH) and (
+                blocks_needed > self.blocks.device.num_free
+                or len(self.running) + slots_needed > self.config.max_num_seqs):
             batch_running = [r for r in self.running if r.priority is PriorityClass.BATCH]
             victim = choose_victim(batch_running, PriorityClass.BATCH)
             if victim is None:
@@ -196,7 +198,7 @@ class Scheduler:
     def _shaped(self, step: StepBuilder, request: Request, num_new: int, interactive_demand: InteractiveDemand,
                 swap_in_blocks: int = 0) -> int:
         """num_new, or fewer when step shaping holds the request's work back (see step_shaper.py)."""
-        if not self.shaper.shapes(request):
+        if not self.shaper.shapes(request) or not self.shaper.may_shape(self._interactive_active()):
             return num_new
         self._open_shaped_budget(step, interactive_demand)
         return self.shaper.fit(step, request, num_new, swap_in_blocks)
@@ -204,29 +206,107 @@ class Scheduler:
     def _schedule_running(self, step: StepBuilder, interactive_demand: InteractiveDemand) -> bool:
         """Interactive before batch, decodes before prefill chunks. Running batch work leaves
         `interactive_demand` tokens for waiting interactive requests (less its batch_min_share).
-        Returns whether any was preempted."""
-        pending = deque(sorted(self.running, key=lambda r: (r.priority.rank, r.num_uncomputed_tokens > 1)))
+        Returns whether any was preempted.
+
+        Runs for every running request at every step, so the common case is kept to a few operations
+        each: interactive decodes that all fit the token budget are taken in bulk (shaping never holds
+        them back), a request whose blocks already have room (15 decodes in 16) needs no call to the
+        block manager beyond reading its table, and a preempted request is skipped by its status."""
+        ordered, num_interactive_decodes = self._running_in_order()
         reserve = step.batch_floor_tokens
-        held_for_interactive = min(interactive_demand.tokens, self.config.max_num_batched_tokens - reserve)
         preempted = False
-        while pending:
-            request = pending.popleft()
-            is_interactive = request.priority is PriorityClass.INTERACTIVE
-            cap = step.tokens_left - (reserve if is_interactive else held_for_interactive)
-            num_new = self._shaped(step, request, min(request.num_uncomputed_tokens, cap), interactive_demand)
+        first_general = 0
+        if num_interactive_decodes <= step.tokens_left - reserve:
+            preempted = self._schedule_interactive_decodes(step, ordered, num_interactive_decodes)
+            first_general = num_interactive_decodes
+        held_for_interactive = min(interactive_demand.tokens, self.config.max_num_batched_tokens - reserve)
+        may_shape = self.shaper.may_shape(self._interactive_active())
+        # Under a derived target only batch work is shaped: then interactive requests skip asking.
+        shapes_interactive = self.shaper.config.interactive_itl_target_s is not None
+        table_of, block_size = self.blocks.device_tables.get, self.geometry.block_size
+        interactive, running = PriorityClass.INTERACTIVE, RequestStatus.RUNNING
+        for index in range(first_general, len(ordered)):
+            request = ordered[index]
+            if request.status is not running:  # preempted earlier in this step
+                continue
+            computed = request.num_computed_tokens
+            num_new = len(request.token_ids) - computed
+            cap = step.tokens_left - (reserve if request.priority is interactive else held_for_interactive)
+            if num_new > cap:
+                num_new = cap
+            if may_shape and (shapes_interactive or request.priority is not interactive):
+                num_new = self._shaped(step, request, num_new, interactive_demand)
             if num_new <= 0:
                 continue
-            while not self.blocks.allocate(request, num_new):
-                victim = choose_victim([request, *pending], request.priority)
-                assert victim is not None  # the request itself is always a candidate
-                self._preempt(victim, step.plan, request.priority)
-                preempted = True
-                if victim is request:
-                    break
-                pending.remove(victim)
-            else:
-                step.add(request, num_new)
+            table = table_of(request.request_id, ())
+            if computed + num_new > len(table) * block_size:
+                allocated, preempted_some = self._allocate_or_preempt(request, num_new, ordered[index + 1:], step.plan)
+                preempted = preempted or preempted_some
+                if not allocated:
+                    continue
+                table = table_of(request.request_id, ())
+            step.add(request, num_new, table)
         return preempted
+
+    def _schedule_interactive_decodes(self, step: StepBuilder, ordered: list[Request], count: int) -> bool:
+        """The first `count` requests of `ordered`, interactive ones decoding a token each, when they all fit
+        the token budget: only their blocks are checked, and their sequences are added in one go. Returns
+        whether any request was preempted (for the blocks of one of them)."""
+        table_of, block_size, running = self.blocks.device_tables.get, self.geometry.block_size, RequestStatus.RUNNING
+        decodes: list[Request] = []
+        tables: list[tuple[int, ...]] = []
+        preempted = False
+        for index in range(count):
+            request = ordered[index]
+            if request.status is not running:  # preempted earlier in this step
+                continue
+            table = table_of(request.request_id, ())
+            if request.num_computed_tokens >= len(table) * block_size:  # its next token starts a new block
+                allocated, preempted_some = self._allocate_or_preempt(request, 1, ordered[index + 1:], step.plan)
+                preempted = preempted or preempted_some
+                if not allocated:
+                    continue
+                table = table_of(request.request_id, ())
+            decodes.append(request)
+            tables.append(table)
+        step.add_decodes(decodes, tables)
+        return preempted
+
+    def _allocate_or_preempt(self, request: Request, num_new: int, later: list[Request], plan: StepPlan
+                             ) -> tuple[bool, bool]:
+        """Blocks for the request's next num_new tokens, preempting the request that gives way first (among
+        it and those after it in this step's order) until they fit. Returns whether the request got its
+        blocks (it may have given way itself), and whether any request was preempted."""
+        preempted = False
+        while not self.blocks.allocate(request, num_new):
+            candidates = [request, *(r for r in later if r.status is RequestStatus.RUNNING)]
+            victim = choose_victim(candidates, request.priority)
+            assert victim is not None  # the request itself is always a candidate
+            self._preempt(victim, plan, request.priority)
+            preempted = True
+            if victim is request:
+                return False, True
+        return True, preempted
+
+    def _running_in_order(self) -> tuple[list[Request], int]:
+        """Interactive before batch, decodes before prefill chunks, and otherwise in the order they started
+        running: a stable sort, made with list comprehensions instead of a key function call per request.
+        Also returns how many interactive decodes lead the list."""
+        running = self.running
+        if self.load.num_running(PriorityClass.BATCH):
+            by_class = [[r for r in running if r.priority is p] for p in CLASSES]
+        else:
+            by_class = [running]  # all interactive
+        ordered: list[Request] = []
+        num_interactive_decodes = 0
+        for index, requests in enumerate(by_class):
+            decodes = [r for r in requests if len(r.token_ids) - r.num_computed_tokens == 1]
+            if index == 0:  # the interactive requests (all of them when no batch request runs)
+                num_interactive_decodes = len(decodes)
+            ordered += decodes
+            if len(decodes) < len(requests):  # prefill chunks (and none left to compute, which are skipped)
+                ordered += [r for r in requests if len(r.token_ids) - r.num_computed_tokens != 1]
+        return ordered, num_interactive_decodes
 
     def _resume_and_admit(self, step: StepBuilder, classes: Iterable[PriorityClass]) -> None:
         for priority in classes:
@@ -353,25 +433,51 @@ class Scheduler:
     # ---- update ---------------------------------------------------------------------------
 
     def update(self, plan: StepPlan, result: StepResult) -> list[TokenEvent]:
-        """Advance the counters by what the step computed; a token event per sampled request."""
+        """Advance the counters by what the step computed; a token event per sampled request.
+
+        Runs for every running request at every step, so the common decode does little, inline: its
+        tenant's sampled tokens are counted here and charged once per tenant at the end, and the prefix
+        cache is asked to register blocks only when a block was completed."""
         events: list[TokenEvent] = []
+        sampled_by_class: dict[PriorityClass, dict[str, int]] = {c: {} for c in CLASSES}  # per tenant
+        requests, block_size, max_model_len = self.requests, self.geometry.block_size, self.geometry.max_model_len
+        sampled_tokens, logprobs_of, prompt_logprobs_of = (result.sampled_token_ids, result.logprobs,
+                                                           result.prompt_logprobs)
+        running = RequestStatus.RUNNING
+        new_event = tuple.__new__  # a TokenEvent from its nine fields, without NamedTuple's keyword handling
         for seq in plan.sequences:
-            request = self.requests.get(RequestId(seq.request_id))
-            if request is None or request.status != RequestStatus.RUNNING:
+            request_id = seq.request_id
+            request = requests.get(request_id)  # type: ignore[call-overload]  # a str that is a RequestId
+            if request is None or request.status is not running:
                 continue
-            self._charge(request, seq)
-            request.num_computed_tokens += len(seq.token_ids)
-            self.blocks.cache_computed_blocks(request)
-            if seq.request_id in result.prompt_logprobs:
-                self._keep_prompt_logprobs(request, *result.prompt_logprobs[seq.request_id])
-            if seq.needs_sample:
-                token = result.sampled_token_ids[seq.request_id]
-                request.token_ids.append(token)
-                stop_status = self._stop_status(request, token)
-                if stop_status is not None:
-                    self._finish(request, stop_status)
-                logprobs = result.logprobs.get(seq.request_id)
-                events.append(self._event(request, (token,), () if logprobs is None else (logprobs,)))
+            start, num_fed = seq.start_position, len(seq.token_ids)
+            if start < request.num_prompt_tokens:
+                self._charge_prompt(request, start, num_fed)
+            request.num_computed_tokens += num_fed
+            if (start + num_fed) // block_size > start // block_size:
+                self.blocks.cache_computed_blocks(request)
+            if prompt_logprobs_of and request_id in prompt_logprobs_of:
+                self._keep_prompt_logprobs(request, *prompt_logprobs_of[request_id])
+            if not seq.needs_sample:
+                continue
+            sampled_by_tenant = sampled_by_class[request.priority]
+            sampled_by_tenant[request.tenant_id] = sampled_by_tenant.get(request.tenant_id, 0) + 1
+            token = sampled_tokens[request_id]
+            token_ids = request.token_ids
+            token_ids.append(token)
+            num_output = len(token_ids) - request.num_prompt_tokens
+            reason = None
+            if token in request.stop_token_ids:
+                reason = self._finish(request, RequestStatus.FINISHED_STOPPED)
+            elif num_output >= request.max_tokens or len(token_ids) >= max_model_len:
+                reason = self._finish(request, RequestStatus.FINISHED_LENGTH)
+            logprobs = logprobs_of.get(request_id) if logprobs_of else None
+            events.append(new_event(TokenEvent, (
+                request.request_id, (token,), reason, request.num_prompt_tokens, num_output, request.num_cached_tokens,
+                None, () if logprobs is None else (logprobs,),
+                tuple(request.prompt_logprobs) if num_output == 1 else ())))  # the prompt's go with the first token
+        for priority, sampled_by_tenant in sampled_by_class.items():
+            self.vtc[priority].charge_sampled(sampled_by_tenant)
         return events
 
     @staticmethod
@@ -381,21 +487,15 @@ class Scheduler:
         known = len(request.prompt_logprobs) + 1  # the next position without an entry
         request.prompt_logprobs.extend(entries[max(0, known - first_position):])
 
-    def _charge(self, request: Request, seq: ScheduledSequence) -> None:
-        """Charge the tenant's counter: w_p for each prompt token computed for the first time, w_q for
-        a sampled token. Work redone after a recompute preemption is not charged: the scheduler chose
-        it, not the tenant, and charging it would push the tenant preempted most further behind."""
-        end = min(seq.start_position + len(seq.token_ids), request.num_prompt_tokens)
-        num_prefill = max(0, end - max(seq.start_position, request.num_charged_prompt_tokens))
+    def _charge_prompt(self, request: Request, start: int, num_fed: int) -> None:
+        """Charge the tenant's counter w_p for each prompt token computed for the first time (w_q for
+        each sampled token is charged in `update`). Work redone after a recompute preemption is not
+        charged: the scheduler chose it, not the tenant, and charging it would push the tenant
+        preempted most further behind."""
+        end = min(start + num_fed, request.num_prompt_tokens)
+        num_prefill = max(0, end - max(start, request.num_charged_prompt_tokens))
         request.num_charged_prompt_tokens = max(request.num_charged_prompt_tokens, end)
-        self.vtc[request.priority].charge(request.tenant_id, num_prefill, 1 if seq.needs_sample else 0)
-
-    def _stop_status(self, request: Request, token: int) -> RequestStatus | None:
-        if token in request.stop_token_ids:
-            return RequestStatus.FINISHED_STOPPED
-        if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.geometry.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
-        return None
+        self.vtc[request.priority].charge(request.tenant_id, num_prefill, 0)
 
     def fail_all(self, message: str) -> list[TokenEvent]:
         """The executor failed: end every request with an error rather than leave it hanging."""
@@ -407,7 +507,8 @@ class Scheduler:
                                      event.num_output_tokens, event.num_cached_tokens, message))
         return events
 
-    def _finish(self, request: Request, status: RequestStatus) -> None:
+    def _finish(self, request: Request, status: RequestStatus) -> str | None:
+        """End the request with a finished status; its OpenAI finish_reason."""
         if request.status == RequestStatus.WAITING:
             self.waiting[request.priority].remove(request)
         elif request.status == RequestStatus.RUNNING:
@@ -423,6 +524,7 @@ class Scheduler:
             self.counters.num_aborted += 1
         else:
             self.counters.num_finished += 1
+        return finish_reason(status)
 
     @staticmethod
     def _event(request: Request, new_tokens: tuple[int, ...], logprobs: tuple[TokenLogprobs, ...] = ()
@@ -443,11 +545,10 @@ class Scheduler:
         c = self.counters
         return SchedulerSnapshot(
             step=c.num_steps,
-            by_class=MappingProxyType({p.value: ClassLoad(sum(r.priority is p for r in self.running),
-                                                          len(self.waiting[p]),
+            by_class=MappingProxyType({p.value: ClassLoad(self.load.num_running(p), len(self.waiting[p]),
                                                           sum(r.priority is p for r in self.swapped))
                                        for p in CLASSES}),
-            queued_by_tenant=MappingProxyType({p.value: MappingProxyType(Counter(r.tenant_id for r in self.waiting[p]))
+            queued_by_tenant=MappingProxyType({p.value: MappingProxyType(self.waiting[p].queued_by_tenant())
                                                for p in CLASSES}),
             vtc=MappingProxyType({p.value: MappingProxyType(self.vtc[p].snapshot()) for p in CLASSES}),
             kv_blocks=BlockUse(self.blocks.device.num_used, self.blocks.device.num_blocks),
@@ -463,6 +564,7 @@ class Scheduler:
 
     def _step_cost_stats(self) -> StepCostStats:
         model, counters = self.shaper.cost_model, self.shaper.counters
-        coefficients = None if model.coefficients is None else MappingProxyType(asdict(model.coefficients))
+        coefficients = None if model.coefficients is None else MappingProxyType(
+            {f.name: getattr(model.coefficients, f.name) for f in COEFFICIENT_FIELDS})
         return StepCostStats(model.last_predicted_s, model.last_measured_s, model.median_error, coefficients,
                              counters.shaped_steps, counters.batch_tokens_deferred)

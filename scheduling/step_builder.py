@@ -23,24 +23,39 @@ class StepBuilder:
     batch_floor_tokens: int = 0  # batch_min_share's tokens, which shaping never takes from batch
     batch_tokens: int = 0
 
-    def add(self, request: Request, num_new: int) -> None:
-        """Schedule the request's next num_new tokens (a prefill chunk, a resume chunk or one decode)."""
+    def add(self, request: Request, num_new: int, block_table: tuple[int, ...] | None = None) -> None:
+        """Schedule the request's next num_new tokens (a prefill chunk, a resume chunk or one decode), with
+        its block table when the caller has it at hand. Called for every running request at every step:
+        positional arguments, no property reads."""
         start = request.num_computed_tokens
-        needs_sample = start + num_new == request.num_tokens
-        sequence = ScheduledSequence(
-            request_id=request.request_id,
-            token_ids=request.token_ids[start:start + num_new],
-            start_position=start,
-            block_table=self.blocks.block_table(request.request_id),
-            needs_sample=needs_sample,
-            sampling=request.sampling,
-        )
-        if needs_sample and request.sampling.needs_history:  # penalties and min_tokens read what came before
-            sequence.prompt_token_ids = tuple(request.prompt_token_ids)
-            sequence.output_token_ids = tuple(request.output_token_ids)
-        elif request.sampling.prompt_logprobs is not None and start < request.num_prompt_tokens:
-            sequence.prompt_token_ids = tuple(request.prompt_token_ids)  # the tokens its rows predict
+        token_ids, sampling = request.token_ids, request.sampling
+        needs_sample = start + num_new == len(token_ids)
+        if block_table is None:
+            block_table = self.blocks.block_table(request.request_id)
+        sequence = ScheduledSequence(request.request_id, token_ids[start:start + num_new], start, block_table,
+                                     needs_sample, sampling)
+        if sampling.carries_tokens:
+            self._attach_tokens(sequence, request)
         self.plan.sequences.append(sequence)
         self.tokens_left -= num_new
         if request.priority is PriorityClass.BATCH:
             self.batch_tokens += num_new
+
+    def add_decodes(self, requests: list[Request], block_tables: list[tuple[int, ...]]) -> None:
+        """`add(request, 1, table)` for interactive requests decoding one token each: the bulk of a busy
+        step, built in one comprehension."""
+        added = [ScheduledSequence(r.request_id, r.token_ids[-1:], r.num_computed_tokens, table, True, r.sampling)
+                 for r, table in zip(requests, block_tables, strict=True)]
+        for sequence, request in zip(added, requests, strict=True):
+            if request.sampling.carries_tokens:
+                self._attach_tokens(sequence, request)
+        self.plan.sequences += added
+        self.tokens_left -= len(added)
+
+    @staticmethod
+    def _attach_tokens(sequence: ScheduledSequence, request: Request) -> None:
+        if sequence.needs_sample and request.sampling.needs_history:  # penalties and min_tokens read what came before
+            sequence.prompt_token_ids = tuple(request.prompt_token_ids)
+            sequence.output_token_ids = tuple(request.output_token_ids)
+        elif request.sampling.prompt_logprobs is not None and sequence.start_position < request.num_prompt_tokens:
+            sequence.prompt_token_ids = tuple(request.prompt_token_ids)  # the tokens its rows predict

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from gpu.plan import StepPlan
 from scheduling.request import PriorityClass, Request
 from scheduling.step_builder import StepBuilder
-from scheduling.step_cost import StepCostModel, StepWork
+from scheduling.step_cost import ATTENTION_UNIT, StepCostModel, StepWork
 
 
 @dataclass(slots=True, frozen=True)
@@ -52,6 +52,11 @@ class StepShaper:
         if request.priority is PriorityClass.BATCH:
             return True
         return self.config.interactive_itl_target_s is not None and request.num_uncomputed_tokens > 1
+
+    def may_shape(self, interactive_active: bool) -> bool:
+        """Whether this step can shape anything at all: when not, `fit` grants every request what it
+        wants, and the scheduler skips asking for each one."""
+        return self.config.enabled and self.cost_model.coefficients is not None and interactive_active
 
     def add_demand(self, demand: StepWork, num_new: int, start_position: int) -> None:
         """Count a waiting interactive request's coming chunk in the work the budget is opened after: all
@@ -115,11 +120,15 @@ def combined(work: StepWork, other: StepWork, swapped_blocks: int) -> StepWork:
 
 
 def work_of(plan: StepPlan, swaps: bool = True) -> StepWork:
-    """What the plan holds, as the cost model counts it (counted when needed: not for every sequence added)."""
-    work = StepWork(swapped_blocks=len(plan.swap_out) + len(plan.swap_in) if swaps else 0)
+    """What the plan holds, as the cost model counts it (counted when needed: not for every sequence added).
+    Once per step over every sequence: `StepWork.add_sequence`'s sums, without a call for each."""
+    num_tokens, context_read = 0, 0.0
     for seq in plan.sequences:
-        work.add_sequence(len(seq.token_ids), seq.start_position)
-    return work
+        num_new = len(seq.token_ids)
+        num_tokens += num_new
+        context_read += num_new * (seq.start_position + (num_new + 1) / 2)
+    return StepWork(num_tokens, len(plan.sequences), context_read / ATTENTION_UNIT,
+                    len(plan.swap_out) + len(plan.swap_in) if swaps else 0)
 
 
 def largest_fitting(limit: int, fits: Callable[[int], bool]) -> int:

@@ -17,6 +17,7 @@ class TenantLoad:
         self._unfinished_by_class: Counter[PriorityClass] = Counter()
         self._unfinished_by_tenant: Counter[str] = Counter()
         self._running_by_tenant: Counter[str] = Counter()
+        self._running_by_class: Counter[PriorityClass] = Counter()
         self.active_weight = 0.0  # the weights of the tenants with unfinished requests, summed
 
     # ---- changes ---------------------------------------------------------------------------
@@ -40,9 +41,11 @@ class TenantLoad:
 
     def started_running(self, request: Request) -> None:
         self._running_by_tenant[request.tenant_id] += 1
+        self._running_by_class[request.priority] += 1
 
     def stopped_running(self, request: Request) -> None:
         self._running_by_tenant[request.tenant_id] -= 1
+        self._running_by_class[request.priority] -= 1
 
     def _count_tenant(self, tenant_id: str, change: int) -> None:
         self._unfinished_by_tenant[tenant_id] += change
@@ -55,6 +58,9 @@ class TenantLoad:
 
     def has_unfinished(self, priority: PriorityClass) -> bool:
         return self._unfinished_by_class[priority] > 0
+
+    def num_running(self, priority: PriorityClass) -> int:
+        return self._running_by_class[priority]
 
     @property
     def num_active_tenants(self) -> int:

@@ -8,7 +8,7 @@ backlogged, so time spent idle is not banked as credit.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 
@@ -43,6 +43,16 @@ class VirtualTokenCounter:
         if cost:
             self._counters[tenant_id] = self.get(tenant_id) + cost / self._tenant_weight(tenant_id)
             self._charged[tenant_id] = self._charged.get(tenant_id, 0.0) + cost
+
+    def charge_sampled(self, num_sampled_by_tenant: Mapping[str, int]) -> None:
+        """`charge(tenant, 0, n)` for many tenants at once: the scheduler's decode charge of a step, one
+        call instead of one per tenant."""
+        decode, counters, charged, weight = self.weights.decode, self._counters, self._charged, self._tenant_weight
+        for tenant_id, num_sampled in num_sampled_by_tenant.items():
+            cost = decode * num_sampled
+            if cost:
+                counters[tenant_id] = counters.get(tenant_id, 0.0) + cost / weight(tenant_id)
+                charged[tenant_id] = charged.get(tenant_id, 0.0) + cost
 
     def charged_service(self) -> dict[str, float]:
         """Per tenant, the unweighted service `charge` has added up since the start: exactly what this

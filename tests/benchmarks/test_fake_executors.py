@@ -17,7 +17,7 @@ from tests.factories import make_geometry
 
 
 def sequence(request_id: str, start: int, num_tokens: int, needs_sample: bool = True) -> ScheduledSequence:
-    return ScheduledSequence(request_id, list(range(num_tokens)), start, [0], needs_sample, SamplingParams())
+    return ScheduledSequence(request_id, list(range(num_tokens)), start, (0,), needs_sample, SamplingParams())
 
 
 def test_tokens_depend_only_on_request_and_position() -> None:

@@ -112,7 +112,7 @@ CPU = torch.device("cpu")
 def make_sequence(sampling: SamplingParams, prompt: Sequence[int] = (), output: Sequence[int] = (),
                   request_id: str = "r") -> ScheduledSequence:
     """A decode row that needs a sample, carrying its history as the scheduler fills it."""
-    return ScheduledSequence(request_id=request_id, token_ids=[0], start_position=0, block_table=[], needs_sample=True,
+    return ScheduledSequence(request_id=request_id, token_ids=[0], start_position=0, block_table=(), needs_sample=True,
                              sampling=sampling, prompt_token_ids=tuple(prompt), output_token_ids=tuple(output))
 
 

@@ -12,7 +12,7 @@ BLOCK_SIZE, KV_HEADS = 4, 2
 
 
 def sequence(start: int, num_tokens: int, table: list[int], needs_sample: bool = True) -> ScheduledSequence:
-    return ScheduledSequence(f"r{start}-{num_tokens}", list(range(100, 100 + num_tokens)), start, table,
+    return ScheduledSequence(f"r{start}-{num_tokens}", list(range(100, 100 + num_tokens)), start, tuple(table),
                              needs_sample, SamplingParams())
 
 

@@ -327,7 +327,7 @@ def test_constrain_leaves_the_raw_logits_and_other_rows_alone() -> None:
 
 
 def sample_row(request_id: str, output: StructuredOutput | None) -> ScheduledSequence:
-    return ScheduledSequence(request_id=request_id, token_ids=[0], start_position=0, block_table=[],
+    return ScheduledSequence(request_id=request_id, token_ids=[0], start_position=0, block_table=(),
                              needs_sample=True, sampling=SamplingParams(structured=output))
 
 

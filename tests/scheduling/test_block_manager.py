@@ -52,7 +52,7 @@ def test_cached_prefix_is_a_pure_question() -> None:
     first_answer, second_answer = manager.cached_prefix(later), manager.cached_prefix(later)
 
     assert len(first_answer) == 3 and first_answer == second_answer  # 12 of 13 tokens; the last is computed
-    assert manager.device.num_free == free_before and manager.block_table(later.request_id) == []
+    assert manager.device.num_free == free_before and manager.block_table(later.request_id) == ()
 
 
 def test_allocation_that_does_not_fit_leaves_the_prefix_unshared() -> None:
@@ -67,7 +67,7 @@ def test_allocation_that_does_not_fit_leaves_the_prefix_unshared() -> None:
 
     assert not manager.allocate(later, later.num_tokens - 12, prefix)
 
-    assert manager.device.num_free == 4 and manager.block_table(later.request_id) == []
+    assert manager.device.num_free == 4 and manager.block_table(later.request_id) == ()
     assert manager.device_blocks_held_by("default") == 0
     assert manager.cached_prefix(later) == prefix  # still cached, still free to be shared later
 
@@ -81,7 +81,7 @@ def test_allocation_shares_the_prefix_and_counts_blocks_per_tenant() -> None:
 
     assert manager.allocate(later, 1, prefix)
 
-    assert manager.block_table(later.request_id)[:3] == list(prefix)
+    assert manager.block_table(later.request_id)[:3] == tuple(prefix)
     assert manager.device_blocks_held_by("a") == 4
     later.num_computed_tokens = 13
     pairs = manager.swap_out(later)

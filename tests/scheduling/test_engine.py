@@ -89,7 +89,7 @@ async def test_abort_while_waiting_for_a_slot(build_engine: EngineBuilder) -> No
         assert queued.status is RequestStatus.WAITING and ahead.status is RequestStatus.RUNNING
         queued_stream.close()
         await wait_until(lambda: engine.stats()["requests_aborted"] == 1, what="the abort")
-        assert queued.num_computed_tokens == 0 and engine.scheduler.blocks.block_table(queued.request_id) == []
+        assert queued.num_computed_tokens == 0 and engine.scheduler.blocks.block_table(queued.request_id) == ()
         ahead_stream.close()
         await finish_and_check(engine)
     assert engine.stats()["requests_aborted"] == 2

@@ -141,7 +141,7 @@ def test_newest_is_preempted_by_recompute_when_blocks_run_out(preemption_mode: s
     assert [s.request_id for s in plan.sequences] == [oldest.request_id, middle.request_id]
     assert newest.status is RequestStatus.WAITING
     assert (newest.num_computed_tokens, newest.num_preemptions) == (0, 1)
-    assert scheduler.blocks.block_table(newest.request_id) == []
+    assert scheduler.blocks.block_table(newest.request_id) == ()
     [event] = scheduler.preemption_log
     assert (event.victim_id, event.mode) == (newest.request_id, PreemptionMode.RECOMPUTE)
     assert scheduler.counters.preemptions["recompute"] == 1
@@ -165,7 +165,7 @@ def test_swap_preemption_resumes_where_it_stopped() -> None:
     newest_blocks = scheduler.blocks.block_table(newest.request_id)
     plan, _ = run_step(scheduler, executor)
     assert newest.status is RequestStatus.SWAPPED
-    assert [device for device, _ in plan.swap_out] == newest_blocks
+    assert tuple(device for device, _ in plan.swap_out) == newest_blocks
     assert scheduler.blocks.cpu_blocks(newest.request_id) == [cpu for _, cpu in plan.swap_out]
     assert newest.num_computed_tokens == 8  # the KV is kept, on the CPU
     assert scheduler.counters.preemptions["swap"] == 1
@@ -268,7 +268,8 @@ def test_finish_request_frees_blocks_at_every_stage(
     event = scheduler.finish_request(target.request_id, RequestStatus.FINISHED_ABORTED)
     assert event is not None and event.finish_reason == "abort" and event.new_token_ids == ()
     assert target.status is RequestStatus.FINISHED_ABORTED
-    assert scheduler.blocks.block_table(target.request_id) == scheduler.blocks.cpu_blocks(target.request_id) == []
+    assert scheduler.blocks.block_table(target.request_id) == ()
+    assert scheduler.blocks.cpu_blocks(target.request_id) == []
     assert scheduler.finish_request(target.request_id, RequestStatus.FINISHED_ABORTED) is None
     assert target.request_id in scheduler.schedule().finished_request_ids
     num_fed = sum(len(s.token_ids) for p in executor.plans for s in p.sequences if s.request_id == target.request_id)

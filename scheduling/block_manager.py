@@ -146,6 +146,11 @@ class KVBlockManager:
         table = self._tables.get(request_id)
         return len(table.cpu) if table else 0
 
+    def num_registered_blocks(self, request_id: str) -> int:
+        """Leading device blocks of the request already entered in the prefix cache."""
+        table = self._tables.get(request_id)
+        return table.num_registered if table else 0
+
     def device_blocks_held_by(self, tenant_id: str) -> int:
         return self._device_blocks_by_tenant[tenant_id]
 

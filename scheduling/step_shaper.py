@@ -94,7 +94,10 @@ class StepShaper:
         def cost(n: int) -> float:
             return coefficients.added_by(n, start) + swap_s
 
-        granted = max(largest_fitting(wanted, lambda n: cost(n) <= time_left), self._floor(step, request, wanted))
+        if wanted == 1:  # a decode, the common case: one check, no search
+            granted = 1 if cost(1) <= time_left else self._floor(step, request, 1)
+        else:
+            granted = max(largest_fitting(wanted, lambda n: cost(n) <= time_left), self._floor(step, request, wanted))
         if granted:
             step.shaped_time_left_s = max(0.0, time_left - cost(granted))
         if request.priority is PriorityClass.BATCH:

@@ -9,7 +9,8 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import Counter, deque
-from collections.abc import Container, Iterator
+from collections.abc import Container, Iterable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Protocol
 
 from scheduling.request import Request
@@ -24,10 +25,16 @@ class RequestQueue(Protocol):
 
     def peek(self, exclude: Container[str] = ()) -> Request | None: ...
 
+    def passing_over(self) -> AbstractContextManager[None]:
+        """A pass of peeks in which excluded tenants stay excluded (see VTCQueue.passing_over)."""
+
     def remove(self, request: Request) -> None: ...
 
     def queued_by_tenant(self) -> dict[str, int]:
         """Waiting requests per tenant with any, without walking the queue."""
+
+    def tenants(self) -> Iterable[str]:
+        """Each tenant with a waiting request, once (a live view: do not change the queue while reading it)."""
 
     def __len__(self) -> int: ...
 
@@ -52,6 +59,9 @@ class FCFSQueue:
     def peek(self, exclude: Container[str] = ()) -> Request | None:
         return next((r for r in self._requests if r.tenant_id not in exclude), None)
 
+    def passing_over(self) -> AbstractContextManager[None]:
+        return nullcontext()
+
     def remove(self, request: Request) -> None:
         self._requests.remove(request)
         self._by_tenant[request.tenant_id] -= 1
@@ -60,6 +70,9 @@ class FCFSQueue:
 
     def queued_by_tenant(self) -> dict[str, int]:
         return dict(self._by_tenant)
+
+    def tenants(self) -> Iterable[str]:
+        return self._by_tenant.keys()
 
     def __len__(self) -> int:
         return len(self._requests)
@@ -84,6 +97,8 @@ class VTCQueue:
         self._tiebreak = itertools.count()
         self._size = 0
         self._in_heap: set[str] = set()  # tenants with an entry in the heap
+        # Within `passing_over`: the entries of excluded tenants, out of the heap until the pass ends.
+        self._set_aside: list[tuple[float, int, str]] | None = None
 
     def _push(self, tenant_id: str) -> None:
         heapq.heappush(self._heap, (self._counter.get(tenant_id), next(self._tiebreak), tenant_id))
@@ -105,8 +120,21 @@ class VTCQueue:
         self._line(request).appendleft(request)
         self._size += 1
 
+    @contextmanager
+    def passing_over(self) -> Iterator[None]:
+        """A pass of peeks whose excluded tenants only grow (the scheduler's admission loop): an excluded
+        tenant's entry is set aside once instead of popped and pushed back at every peek, which would cost
+        the pass O(excluded^2 log tenants). The entries return to the heap when the pass ends."""
+        self._set_aside = []
+        try:
+            yield
+        finally:
+            for entry in self._set_aside:
+                heapq.heappush(self._heap, entry)
+            self._set_aside = None
+
     def peek(self, exclude: Container[str] = ()) -> Request | None:
-        passed_over: list[tuple[float, int, str]] = []
+        passed_over: list[tuple[float, int, str]] = [] if self._set_aside is None else self._set_aside
         found: Request | None = None
         while self._heap:
             counter, _, tenant_id = self._heap[0]
@@ -121,8 +149,9 @@ class VTCQueue:
             else:
                 found = line[0]
                 break
-        for entry in passed_over:
-            heapq.heappush(self._heap, entry)
+        if self._set_aside is None:
+            for entry in passed_over:
+                heapq.heappush(self._heap, entry)
         return found
 
     def remove(self, request: Request) -> None:
@@ -134,6 +163,9 @@ class VTCQueue:
 
     def queued_by_tenant(self) -> dict[str, int]:
         return {t: len(line) for t, line in self._per_tenant.items()}
+
+    def tenants(self) -> Iterable[str]:
+        return self._per_tenant.keys()  # a tenant's line is dropped when it empties
 
     def __len__(self) -> int:
         return self._size

@@ -20,7 +20,7 @@ from types import MappingProxyType
 
 from gpu.plan import CacheGeometry, StepPlan, StepResult, TokenLogprobs
 from scheduling.block_manager import KVBlockManager
-from scheduling.preemption import PreemptionEvent, PreemptionMode, choose_victim
+from scheduling.preemption import PreemptionEvent, PreemptionMode, choose_victim, victims_in_order
 from scheduling.queue import RequestQueue, create_request_queue
 from scheduling.request import PriorityClass, Request, RequestId, RequestStatus, TokenEvent, finish_reason
 from scheduling.snapshot import BlockUse, ClassLoad, SchedulerSnapshot, StepCostStats
@@ -173,15 +173,14 @@ class Scheduler:
             slots_needed += 1
             demand.tokens += take
             self.shaper.add_demand(demand.work, take, request.num_computed_tokens)
+        victims: Iterator[Request] | None = None
         preempted = False
         while slots_needed and self.load.num_running(PriorityClass.BATCH) and (
                 blocks_needed > self.blocks.device.num_free
                 or len(self.running) + slots_needed > self.config.max_num_seqs):
-            batch_running = [r for r in self.running if r.priority is PriorityClass.BATCH]
-            victim = choose_victim(batch_running, PriorityClass.BATCH)
-            if victim is None:
-                break
-            self._preempt(victim, plan, PriorityClass.INTERACTIVE)
+            if victims is None:  # choose_victim's order, sorted once for a burst of preemptions
+                victims = iter(victims_in_order(r for r in self.running if r.priority is PriorityClass.BATCH))
+            self._preempt(next(victims), plan, PriorityClass.INTERACTIVE)
             preempted = True
         return preempted, demand
 
@@ -340,18 +339,19 @@ class Scheduler:
         """Admit in queue order (VTC across tenants). False if requests of this class still wait."""
         queue = self.waiting[priority]
         passed_over: set[str] = set()
-        while len(queue):
-            request = queue.peek(passed_over)
-            if request is None:
-                return True  # only tenants at their limits are left: others may go ahead
-            if len(self.running) >= self.config.max_num_seqs or step.tokens_left <= 0:
-                return False
-            if self._at_tenant_limit(request, min(request.num_uncomputed_tokens, step.tokens_left)):
-                passed_over.add(request.tenant_id)
-                continue
-            if not self._admit(request, step):
-                return False
-            queue.remove(request)
+        with queue.passing_over():
+            while len(queue):
+                request = queue.peek(passed_over)
+                if request is None:
+                    return True  # only tenants at their limits are left: others may go ahead
+                if len(self.running) >= self.config.max_num_seqs or step.tokens_left <= 0:
+                    return False
+                if self._at_tenant_limit(request, min(request.num_uncomputed_tokens, step.tokens_left)):
+                    passed_over.add(request.tenant_id)
+                    continue
+                if not self._admit(request, step):
+                    return False
+                queue.remove(request)
         return True
 
     def _admit(self, request: Request, step: StepBuilder) -> bool:
@@ -377,12 +377,9 @@ class Scheduler:
         return self.load.at_max_concurrent(request.tenant_id) or self._over_kv_share(request, num_new)
 
     def _tenants_waiting(self) -> Iterator[str]:
-        """Each tenant with a waiting request, once, lazily."""
-        seen: set[str] = set()
-        for request in (r for queue in self.waiting.values() for r in queue):
-            if request.tenant_id not in seen:
-                seen.add(request.tenant_id)
-                yield request.tenant_id
+        """Each tenant with a waiting request (once per class), lazily."""
+        for queue in self.waiting.values():
+            yield from queue.tenants()
 
     def _over_kv_share(self, request: Request, num_new: int) -> bool:
         """The KV share rule: while another tenant has a request waiting, a tenant is not admitted

@@ -15,7 +15,7 @@ import pytest
 from benchmarks.fake_executors import FakeExecutor
 from gpu.models import LoadedModel
 from gpu.plan import StepPlan
-from scheduling.preemption import PreemptionMode
+from scheduling.preemption import PreemptionMode, choose_victim, victims_in_order
 from scheduling.request import PriorityClass, Request, RequestStatus
 from scheduling.scheduler import Scheduler, SchedulerConfig
 from tests.factories import make_geometry, make_request, run_step, running, tokens_of, wait_until
@@ -57,6 +57,16 @@ def fill_kv_with_batch(scheduler: Scheduler, executor: FakeExecutor) -> list[Req
             return batch
         run_step(scheduler, executor)
     raise AssertionError("the batch requests never filled the KV memory")
+
+
+def test_victims_in_order_is_the_order_of_repeated_choices() -> None:
+    """One sort stands for a burst of choose_victim calls, ties included (arrival times repeat here)."""
+    candidates = [make_request(4, priority=BATCH, arrival_time=float(i % 3)) for i in range(9)]
+    repeated, left = [], list(candidates)
+    while (victim := choose_victim(left, BATCH)) is not None:
+        repeated.append(victim)
+        left.remove(victim)
+    assert victims_in_order(candidates) == repeated
 
 
 def test_interactive_arrival_swaps_out_batch_in_the_very_next_plan() -> None:

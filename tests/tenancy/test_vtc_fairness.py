@@ -289,6 +289,28 @@ def test_vtc_queue_exclude_passes_over_tenants_without_losing_order() -> None:
     assert queue.queued_by_tenant() == {"a": 1, "b": 1, "c": 1}
 
 
+def test_vtc_queue_pass_sets_excluded_tenants_aside_once_and_puts_them_back() -> None:
+    """Inside passing_over, a growing exclude gives the same heads as outside, an excluded tenant is
+    not read again on later peeks of the pass, and every tenant is back in order once it ends."""
+    counter = CountingCounter()
+    queue = VTCQueue(counter)
+    tenants = [f"t{i}" for i in range(20)]
+    for index, tenant in enumerate(tenants):
+        queue.add(queued(tenant, f"{tenant}-1"))
+        counter.charge(tenant, index, 0)  # t0 first, then t1, ...
+    expected = [names(queue, exclude=set(tenants[:k])) for k in range(len(tenants) + 1)]
+    excluded: set[str] = set()
+    with queue.passing_over():
+        heads = [names(queue, excluded)]
+        for tenant in tenants:
+            excluded.add(tenant)
+            counter.num_reads = 0
+            heads.append(names(queue, excluded))
+            assert counter.num_reads <= 4  # the tenants set aside earlier are not read again
+    assert heads == expected == [*(f"{t}-1" for t in tenants), None]
+    assert names(queue) == "t0-1" and queue.queued_by_tenant() == {t: 1 for t in tenants}
+
+
 def test_vtc_queue_prepend_puts_a_request_at_the_head_of_its_tenants_line() -> None:
     counter = VirtualTokenCounter(ServiceWeights(), lambda tenant: 1.0)
     queue = VTCQueue(counter)

@@ -27,6 +27,7 @@ from scheduling.snapshot import BlockUse, ClassLoad, SchedulerSnapshot, StepCost
 from scheduling.step_builder import StepBuilder
 from scheduling.step_cost import CostCoefficients, StepWork
 from scheduling.step_shaper import ShapingConfig, StepShaper
+from scheduling.tenant_limits import TenantLimits
 from scheduling.tenant_load import TenantLoad
 from tenancy.tenants import TenantRegistry
 from tenancy.vtc import ServiceWeights, VirtualTokenCounter
@@ -89,6 +90,8 @@ class Scheduler:
         self.counters = SchedulerCounters()
         self.preemption_log: deque[PreemptionEvent] = deque(maxlen=10_000)
         self.load = TenantLoad(self.tenants)
+        self.limits = TenantLimits(self.tenants, self.load, self.blocks, self.waiting, geometry.num_device_blocks,
+                                   config.kv_share_limit)
         self.shaper = StepShaper(config.shaping, geometry.block_size)
         self._finished_ids: list[str] = []  # told to the runner with the next plan
 
@@ -166,7 +169,7 @@ class Scheduler:
             if demand.tokens >= budget:
                 break
             take = min(request.num_uncomputed_tokens, budget - demand.tokens)
-            if request.status is RequestStatus.WAITING and self._at_tenant_limit(request, take):
+            if request.status is RequestStatus.WAITING and self.limits.holds_back(request, take):
                 continue
             swapped_blocks = self.blocks.num_cpu_blocks(request.request_id)
             blocks_needed += swapped_blocks + 1 if swapped_blocks else self.blocks.blocks_needed(request, take)
@@ -346,7 +349,7 @@ class Scheduler:
                     return True  # only tenants at their limits are left: others may go ahead
                 if len(self.running) >= self.config.max_num_seqs or step.tokens_left <= 0:
                     return False
-                if self._at_tenant_limit(request, min(request.num_uncomputed_tokens, step.tokens_left)):
+                if self.limits.holds_back(request, min(request.num_uncomputed_tokens, step.tokens_left)):
                     passed_over.add(request.tenant_id)
                     continue
                 if not self._admit(request, step):
@@ -372,29 +375,6 @@ class Scheduler:
         self._start_running(request)
         step.add(request, num_new)
         return True
-
-    def _at_tenant_limit(self, request: Request, num_new: int) -> bool:
-        return self.load.at_max_concurrent(request.tenant_id) or self._over_kv_share(request, num_new)
-
-    def _tenants_waiting(self) -> Iterator[str]:
-        """Each tenant with a waiting request (once per class), lazily."""
-        for queue in self.waiting.values():
-            yield from queue.tenants()
-
-    def _over_kv_share(self, request: Request, num_new: int) -> bool:
-        """The KV share rule: while another tenant has a request waiting, a tenant is not admitted
-        past its weighted share of device blocks, total * w / (sum of w of tenants with unfinished
-        requests). Running requests are not cut back; the rule acts at admission. A tenant holding no
-        blocks may always start one request: one larger than the share would otherwise wait for as
-        long as another tenant kept a request waiting. Another tenant's waiting request counts only
-        if it could be admitted now (its tenant is below max_concurrent); else memory would sit idle."""
-        held = self.blocks.device_blocks_held_by(request.tenant_id)
-        if not self.config.kv_share_limit or held == 0 or self.load.num_active_tenants < 2:
-            return False
-        share = self.geometry.num_device_blocks * self.tenants.weight(request.tenant_id) / self.load.active_weight
-        if held + self.blocks.blocks_needed(request, num_new) <= share:
-            return False
-        return any(t != request.tenant_id and not self.load.at_max_concurrent(t) for t in self._tenants_waiting())
 
     def _start_running(self, request: Request) -> None:
         request.status = RequestStatus.RUNNING

@@ -1,0 +1,50 @@
+"""Whether a tenant's waiting request may start now: its `max_concurrent`, and the KV share rule.
+
+Asked by the scheduler for the waiting requests a step looks at; it reads the counts of
+`TenantLoad`, the blocks each tenant holds and the waiting queues, and changes nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+
+from scheduling.block_manager import KVBlockManager
+from scheduling.queue import RequestQueue
+from scheduling.request import PriorityClass, Request
+from scheduling.tenant_load import TenantLoad
+from tenancy.tenants import TenantRegistry
+
+
+class TenantLimits:
+    def __init__(self, tenants: TenantRegistry, load: TenantLoad, blocks: KVBlockManager,
+                 waiting: Mapping[PriorityClass, RequestQueue], num_device_blocks: int, kv_share_limit: bool) -> None:
+        self._tenants = tenants
+        self._load = load
+        self._blocks = blocks
+        self._waiting = waiting
+        self._num_device_blocks = num_device_blocks
+        self._kv_share_limit = kv_share_limit
+
+    def holds_back(self, request: Request, num_new: int) -> bool:
+        """Whether the request's tenant may not start it (with num_new tokens) now."""
+        return self._load.at_max_concurrent(request.tenant_id) or self.over_kv_share(request, num_new)
+
+    def over_kv_share(self, request: Request, num_new: int) -> bool:
+        """The KV share rule: while another tenant has a request waiting, a tenant is not admitted
+        past its weighted share of device blocks, total * w / (sum of w of tenants with unfinished
+        requests). Running requests are not cut back; the rule acts at admission. A tenant holding no
+        blocks may always start one request: one larger than the share would otherwise wait for as
+        long as another tenant kept a request waiting. Another tenant's waiting request counts only
+        if it could be admitted now (its tenant is below max_concurrent); else memory would sit idle."""
+        held = self._blocks.device_blocks_held_by(request.tenant_id)
+        if not self._kv_share_limit or held == 0 or self._load.num_active_tenants < 2:
+            return False
+        share = self._num_device_blocks * self._tenants.weight(request.tenant_id) / self._load.active_weight
+        if held + self._blocks.blocks_needed(request, num_new) <= share:
+            return False
+        return any(t != request.tenant_id and not self._load.at_max_concurrent(t) for t in self._tenants_waiting())
+
+    def _tenants_waiting(self) -> Iterator[str]:
+        """Each tenant with a waiting request (once per class), lazily."""
+        for queue in self._waiting.values():
+            yield from queue.tenants()

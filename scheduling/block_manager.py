@@ -95,12 +95,10 @@ class PrefixCacheCounters:
 
 @dataclass(slots=True)
 class _BlockTable:
-    """One request's blocks. Only the manager reads or writes it; the request holds none of it."""
+    """One request's blocks besides its device blocks (`KVBlockManager._device_tables`). Only the
+    manager reads or writes it; the request holds none of it."""
 
     tenant_id: str
-    # Position order. A tuple, replaced when it grows (every block_size tokens), so a plan can carry it
-    # by reference: no copy per sequence per step, and no later change reaches a plan already built.
-    device: tuple[int, ...] = ()
     cpu: list[int] = field(default_factory=list)  # while swapped out
     num_registered: int = 0  # leading device blocks already entered in the prefix cache
 
@@ -121,8 +119,10 @@ class KVBlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.prefix_counters = PrefixCacheCounters()
         self._tables: dict[str, _BlockTable] = {}
-        # Each request's device blocks again, by request id alone: what the scheduler reads for every running
-        # request at every step, through `device_tables`, without a method call.
+        # Each request's device blocks, in position order. A tuple, replaced when it grows (every block_size
+        # tokens), so a plan can carry it by reference: no copy per sequence per step, and no later change
+        # reaches a plan already built. The scheduler reads it for every running request at every step,
+        # through `device_tables`, without a method call.
         self._device_tables: dict[str, tuple[int, ...]] = {}
         self.device_tables: Mapping[str, tuple[int, ...]] = MappingProxyType(self._device_tables)
         self._hashes: dict[str, list[bytes]] = {}  # each request's hash chain, grown lazily (derived data)
@@ -139,8 +139,7 @@ class KVBlockManager:
         return list(table.cpu) if table else []
 
     def num_device_blocks(self, request_id: str) -> int:
-        table = self._tables.get(request_id)
-        return len(table.device) if table else 0
+        return len(self._device_tables.get(request_id, ()))
 
     def num_cpu_blocks(self, request_id: str) -> int:
         table = self._tables.get(request_id)
@@ -187,9 +186,8 @@ class KVBlockManager:
     def allocate(self, request: Request, num_new_tokens: int, cached_prefix: tuple[int, ...] = ()) -> bool:
         """Give the request room for num_new_tokens more tokens, first sharing `cached_prefix` (from
         `cached_prefix()`, for a request holding nothing). False, and nothing changed, if it does not fit."""
-        held = self._tables.get(request.request_id)
-        if held is not None and -(-(request.num_computed_tokens + num_new_tokens) // self.block_size) <= len(
-                held.device):
+        held = self._device_tables.get(request.request_id, ())
+        if -(-(request.num_computed_tokens + num_new_tokens) // self.block_size) <= len(held) and held:
             return True  # the common decode: the last block still has room (and nothing is shared when holding)
         num_computed = request.num_computed_tokens + len(cached_prefix) * self.block_size
         num_fresh = self.blocks_needed(request, num_new_tokens, num_computed) - len(cached_prefix)
@@ -201,7 +199,7 @@ class KVBlockManager:
             self.device.share(block)
         fresh = self.device.allocate(num_fresh)
         assert fresh is not None  # checked above
-        self._set_device_blocks(request.request_id, table, (*table.device, *cached_prefix, *fresh))
+        self._device_tables[request.request_id] = (*held, *cached_prefix, *fresh)
         table.num_registered = max(table.num_registered, len(cached_prefix))
         self._device_blocks_by_tenant[table.tenant_id] += len(cached_prefix) + len(fresh)
         return True
@@ -220,30 +218,31 @@ class KVBlockManager:
         if num_full <= table.num_registered:
             return
         hashes = self._hash_chain(request, num_full)
+        device = self._device_tables[request.request_id]
         for index in range(table.num_registered, num_full):
-            self.device.register(table.device[index], hashes[index])
+            self.device.register(device[index], hashes[index])
         table.num_registered = num_full
 
     def free(self, request_id: str) -> None:
         """Return the request's device and CPU blocks (cached ones stay findable until reused)."""
         table = self._tables.pop(request_id, None)
-        self._device_tables.pop(request_id, None)
+        device = self._device_tables.pop(request_id, ())
         if table is not None:
-            self.device.free(table.device)
+            self.device.free(device)
             self.cpu.free(table.cpu)
-            self._device_blocks_by_tenant[table.tenant_id] -= len(table.device)
+            self._device_blocks_by_tenant[table.tenant_id] -= len(device)
         self._hashes.pop(request_id, None)
 
     def swap_out(self, request: Request) -> list[tuple[int, int]] | None:
         """Move the request's blocks to CPU blocks; the copies to make, or None if the CPU pool is full."""
-        table = self._tables[request.request_id]
-        cpu_blocks = self.cpu.allocate(len(table.device))
+        table, device = self._tables[request.request_id], self._device_tables[request.request_id]
+        cpu_blocks = self.cpu.allocate(len(device))
         if cpu_blocks is None:
             return None
-        pairs = list(zip(table.device, cpu_blocks, strict=True))
-        self.device.free(table.device)
-        self._device_blocks_by_tenant[table.tenant_id] -= len(table.device)
-        self._set_device_blocks(request.request_id, table, ())
+        pairs = list(zip(device, cpu_blocks, strict=True))
+        self.device.free(device)
+        self._device_blocks_by_tenant[table.tenant_id] -= len(device)
+        self._device_tables[request.request_id] = ()
         table.cpu, table.num_registered = cpu_blocks, 0
         return pairs
 
@@ -255,15 +254,11 @@ class KVBlockManager:
             return None
         pairs = list(zip(table.cpu, device_blocks, strict=True))
         self.cpu.free(table.cpu)
-        self._set_device_blocks(request.request_id, table, tuple(device_blocks))
+        self._device_tables[request.request_id] = tuple(device_blocks)
         table.cpu = []
         self._device_blocks_by_tenant[table.tenant_id] += len(device_blocks)
         self.cache_computed_blocks(request)  # so every computed full block is registered (see Scheduler.update)
         return pairs
-
-    def _set_device_blocks(self, request_id: str, table: _BlockTable, blocks: tuple[int, ...]) -> None:
-        table.device = blocks
-        self._device_tables[request_id] = blocks
 
     def _hash_chain(self, request: Request, num_blocks: int) -> list[bytes]:
         hashes = self._hashes.setdefault(request.request_id, [])

@@ -250,6 +250,14 @@ class _Family:
         return self
 
 
+def _by_tenant_and_class(gauge: _Family, values: Mapping[str, Mapping[str, float]]) -> _Family:
+    """The gauge (labelled tenant, class) filled from class name -> tenant -> value."""
+    for class_name, by_tenant in values.items():
+        for tenant, value in by_tenant.items():
+            gauge.add(value, tenant, class_name)
+    return gauge
+
+
 def merged(families: Iterable[Metric]) -> list[Metric]:
     """One family per name, in order of first appearance: the same families made for several
     replicas, each replica's series added to the first one's."""
@@ -308,18 +316,10 @@ class EngineCollector(Collector):
             for class_name, counts in by_class.items():
                 gauge.add(counts[state], class_name)
             yield gauge
-        waiting = families.gauge("tenant_requests_waiting", "Requests waiting, by tenant and class.",
-                                 "tenant", "class")
-        for class_name, by_tenant in queued_by_tenant(snapshot, self._labels).items():
-            for tenant, count in by_tenant.items():
-                waiting.add(count, tenant, class_name)
-        yield waiting
-        vtc = families.gauge("tenant_vtc_counter", "Virtual token counter of each tenant and class.",
-                             "tenant", "class")
-        for class_name, counters in vtc_counters(snapshot, self._labels).items():
-            for tenant, value in counters.items():
-                vtc.add(value, tenant, class_name)
-        yield vtc
+        waiting = families.gauge("tenant_requests_waiting", "Requests waiting, by tenant and class.", "tenant", "class")
+        yield _by_tenant_and_class(waiting, queued_by_tenant(snapshot, self._labels))
+        vtc = families.gauge("tenant_vtc_counter", "Virtual token counter of each tenant and class.", "tenant", "class")
+        yield _by_tenant_and_class(vtc, vtc_counters(snapshot, self._labels))
 
     def _memory(self, snapshot: SchedulerSnapshot, families: _Families) -> Iterator[_Family]:
         kv, cpu = snapshot.kv_blocks.fraction, snapshot.cpu_blocks.fraction

@@ -15,9 +15,9 @@ import httpx
 import openai
 import pytest
 
-from tenancy.tenants import hash_api_key
 from tests.app.conftest import ServerThread, instant_context, stepped_server, wait_for
 from tests.app.test_shutdown import ServedProcess
+from tests.tenants_files import tenants_toml
 
 KEYS = {"alice": "fl-alice-batch", "bob": "fl-bob-batch"}
 
@@ -25,8 +25,7 @@ KEYS = {"alice": "fl-alice-batch", "bob": "fl-bob-batch"}
 @pytest.fixture(scope="module")
 def tenants_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("batch-tenants") / "tenants.toml"
-    path.write_text("".join(f'[[tenants]]\nid = "{t}"\napi_key_hashes = ["{hash_api_key(k)}"]\n\n'
-                            for t, k in KEYS.items()))
+    path.write_text(tenants_toml(KEYS))
     return path
 
 

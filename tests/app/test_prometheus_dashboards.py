@@ -29,9 +29,9 @@ import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
-from tenancy.tenants import hash_api_key
 from tests.app.conftest import wait_for
 from tests.app.test_shutdown import ServedProcess
+from tests.tenants_files import tenants_toml
 
 pytestmark = pytest.mark.slow
 
@@ -39,8 +39,7 @@ DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 MODEL = "builtin:tiny"
 ADMIN_KEY = "fl-admin-prometheus"
 KEYS = {"alice": "fl-alice-prometheus", "bob": "fl-bob-prometheus"}
-TENANTS_TOML = f'[admin]\napi_key_hashes = ["{hash_api_key(ADMIN_KEY)}"]\n\n' + "".join(
-    f'[[tenants]]\nid = "{tenant}"\napi_key_hashes = ["{hash_api_key(key)}"]\n\n' for tenant, key in KEYS.items())
+TENANTS_TOML = tenants_toml(KEYS, admin_key=ADMIN_KEY)
 # Grafana's variables, as a dashboard opened on this server with "All" tenants and classes would fill them.
 RATE_INTERVAL = "1m"  # covers the whole test at a 1 s scrape interval
 VARIABLES = {"$__rate_interval": RATE_INTERVAL, "$__interval": "1s", "$interval": "1s",

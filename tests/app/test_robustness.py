@@ -16,23 +16,12 @@ import pytest
 
 from app.batch.runner import RetryLater
 from app.routes import OpenAIRoutes
-from tenancy.tenants import hash_api_key
 from tests.app.conftest import ServerThread, instant_context, stepped_server, wait_for
+from tests.tenants_files import tenants_toml
 
 ADMIN_KEY = "fl-admin-key"
 KEYS = {"alice": "fl-alice-key", "bob": "fl-bob-key"}
-TENANTS_TOML = f"""
-[admin]
-api_key_hashes = ["{hash_api_key(ADMIN_KEY)}"]
-
-[[tenants]]
-id = "alice"
-api_key_hashes = ["{hash_api_key(KEYS['alice'])}"]
-
-[[tenants]]
-id = "bob"
-api_key_hashes = ["{hash_api_key(KEYS['bob'])}"]
-"""
+TENANTS_TOML = tenants_toml(KEYS, admin_key=ADMIN_KEY)
 OPERATOR_PATHS = ["/stats", "/metrics", "/dashboard", "/dashboard/dashboard.js"]
 
 
@@ -193,8 +182,7 @@ def test_shutdown_503s_carry_retry_after() -> None:
 
 def test_batch_items_wait_for_their_tenants_tokens_per_minute(tmp_path: Path) -> None:
     tenants = tmp_path / "tenants.toml"
-    tenants.write_text(f'[[tenants]]\nid = "alice"\napi_key_hashes = ["{hash_api_key(KEYS["alice"])}"]\n'
-                       "tokens_per_minute = 20\n")
+    tenants.write_text(tenants_toml({"alice": KEYS["alice"]}, settings={"alice": {"tokens_per_minute": 20}}))
     server = ServerThread(instant_context(tenants_file=str(tenants))).start()
     routes = OpenAIRoutes(server.context)
     item = {"model": server.model_name, "prompt": "hello", "max_tokens": 10, "ignore_eos": True}

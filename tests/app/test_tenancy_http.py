@@ -14,7 +14,6 @@ import pytest
 from benchmarks.fake_executors import instant_geometry
 from config.settings import load_settings
 from gpu.tokenizer import ByteTokenizer
-from tenancy.tenants import hash_api_key
 from tests.app.conftest import (
     INSTANT_SETTINGS,
     ServerThread,
@@ -23,39 +22,18 @@ from tests.app.conftest import (
     fresh_db_path,
     instant_context,
 )
+from tests.tenants_files import tenants_toml
 
 KEYS = {"alice": "fl-alice-key", "bob": "fl-bob-key", "carol": "fl-carol-key", "dave": "fl-dave-key",
         "erin": "fl-erin-key"}
 REVOKED_KEY = "fl-alice-old-key"  # was alice's; its hash is no longer in the file
 
-TENANTS_TOML = f"""
-[[tenants]]
-id = "alice"
-weight = 2
-api_key_hashes = ["{hash_api_key(KEYS['alice'])}"]
-tokens_per_minute = 600
-max_prompt_tokens = 200
-
-[[tenants]]
-id = "bob"
-api_key_hashes = ["{hash_api_key(KEYS['bob'])}"]
-classes = ["interactive"]
-max_concurrent = 1
-
-[[tenants]]
-id = "carol"
-api_key_hashes = ["{hash_api_key(KEYS['carol'])}"]
-
-[[tenants]]
-id = "dave"
-api_key_hashes = ["{hash_api_key(KEYS['dave'])}"]
-cache_group = "team"
-
-[[tenants]]
-id = "erin"
-api_key_hashes = ["{hash_api_key(KEYS['erin'])}"]
-cache_group = "team"
-"""
+TENANTS_TOML = tenants_toml(KEYS, settings={
+    "alice": {"weight": 2, "tokens_per_minute": 600, "max_prompt_tokens": 200},
+    "bob": {"classes": ["interactive"], "max_concurrent": 1},
+    "dave": {"cache_group": "team"},
+    "erin": {"cache_group": "team"},
+})
 
 
 @pytest.fixture(scope="module")

@@ -22,27 +22,15 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tenancy.tenants import hash_api_key
 from tests.app.conftest import wait_for
+from tests.tenants_files import tenants_toml
 
 FAIRLANE = Path(sys.executable).with_name("fairlane")
 MODEL = "builtin:tiny"
 ADMIN_KEY = "fl-admin-key"
 KEYS = {"alice": "fl-alice-key", "capped": "fl-capped-key"}
 MAX_CONCURRENT = 2
-TENANTS_TOML = f"""
-[admin]
-api_key_hashes = ["{hash_api_key(ADMIN_KEY)}"]
-
-[[tenants]]
-id = "alice"
-api_key_hashes = ["{hash_api_key(KEYS['alice'])}"]
-
-[[tenants]]
-id = "capped"
-api_key_hashes = ["{hash_api_key(KEYS['capped'])}"]
-max_concurrent = {MAX_CONCURRENT}
-"""
+TENANTS_TOML = tenants_toml(KEYS, admin_key=ADMIN_KEY, settings={"capped": {"max_concurrent": MAX_CONCURRENT}})
 START_TIMEOUT_S = 150
 LONG = 1500  # max_tokens of a stream that the test ends long before it would end by itself
 NUM_BATCH_ITEMS = 8

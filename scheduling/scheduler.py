@@ -165,6 +165,8 @@ class Scheduler:
         Requests their tenant's limits hold back are not counted: making room for them would only
         swap batch work out and back in."""
         blocks_needed, slots_needed, demand = 0, 0, InteractiveDemand()
+        if not self.load.num_running(PriorityClass.BATCH) and not self._may_shape():
+            return False, demand  # no batch work to preempt or to hold back: nobody reads the demand
         for request in self._waiting_interactive_in_order():
             if demand.tokens >= budget:
                 break
@@ -191,16 +193,17 @@ class Scheduler:
         yield from (r for r in self.swapped if r.priority is PriorityClass.INTERACTIVE)
         yield from self.waiting[PriorityClass.INTERACTIVE]
 
-    def _interactive_active(self) -> bool:
-        return self.load.has_unfinished(PriorityClass.INTERACTIVE)
+    def _may_shape(self) -> bool:
+        return self.shaper.may_shape(self.load.has_unfinished(PriorityClass.INTERACTIVE),
+                                     self.load.has_unfinished(PriorityClass.BATCH))
 
     def _open_shaped_budget(self, step: StepBuilder, interactive_demand: InteractiveDemand) -> None:
-        self.shaper.open_budget(step, interactive_demand.work, self._interactive_active())
+        self.shaper.open_budget(step, interactive_demand.work, self._may_shape())
 
     def _shaped(self, step: StepBuilder, request: Request, num_new: int, interactive_demand: InteractiveDemand,
                 swap_in_blocks: int = 0) -> int:
         """num_new, or fewer when step shaping holds the request's work back (see step_shaper.py)."""
-        if not self.shaper.shapes(request) or not self.shaper.may_shape(self._interactive_active()):
+        if not self.shaper.shapes(request) or not self._may_shape():
             return num_new
         self._open_shaped_budget(step, interactive_demand)
         return self.shaper.fit(step, request, num_new, swap_in_blocks)
@@ -222,7 +225,7 @@ class Scheduler:
             preempted = self._schedule_interactive_decodes(step, ordered, num_interactive_decodes)
             first_general = num_interactive_decodes
         held_for_interactive = min(interactive_demand.tokens, self.config.max_num_batched_tokens - reserve)
-        may_shape = self.shaper.may_shape(self._interactive_active())
+        may_shape = self._may_shape()
         # Under a derived target only batch work is shaped: then interactive requests skip asking.
         shapes_interactive = self.shaper.config.interactive_itl_target_s is not None
         table_of, block_size = self.blocks.device_tables.get, self.geometry.block_size

@@ -53,10 +53,13 @@ class StepShaper:
             return True
         return self.config.interactive_itl_target_s is not None and request.num_uncomputed_tokens > 1
 
-    def may_shape(self, interactive_active: bool) -> bool:
+    def may_shape(self, interactive_active: bool, batch_unfinished: bool) -> bool:
         """Whether this step can shape anything at all: when not, `fit` grants every request what it
-        wants, and the scheduler skips asking for each one."""
-        return self.config.enabled and self.cost_model.coefficients is not None and interactive_active
+        wants, and the scheduler skips asking for each one (and counting the work of the interactive
+        requests waiting). Under a derived target only batch work is shaped, so with no batch request
+        unfinished nothing is."""
+        return (self.config.enabled and self.cost_model.coefficients is not None and interactive_active
+                and (batch_unfinished or self.config.interactive_itl_target_s is not None))
 
     def add_demand(self, demand: StepWork, num_new: int, start_position: int) -> None:
         """Count a waiting interactive request's coming chunk in the work the budget is opened after: all
@@ -65,14 +68,15 @@ class StepShaper:
             num_new = min(num_new, self.block_size)
         demand.add_sequence(num_new, start_position)
 
-    def open_budget(self, step: StepBuilder, interactive_demand: StepWork, interactive_active: bool) -> None:
+    def open_budget(self, step: StepBuilder, interactive_demand: StepWork, may_shape: bool) -> None:
         """Once per step, when its unshaped interactive work is chosen: the time the rest may take.
-        `interactive_demand` is the work of interactive requests to be admitted later in the step."""
+        `interactive_demand` is the work of interactive requests to be admitted later in the step;
+        `may_shape` is what `may_shape` answered for the step."""
         if step.shaping_decided:
             return
         step.shaping_decided = True
         coefficients = self.cost_model.coefficients
-        if not self.config.enabled or coefficients is None or not interactive_active:
+        if not may_shape or coefficients is None:
             return
         interactive = combined(work_of(step.plan, swaps=False), interactive_demand, len(step.plan.swap_out))
         predicted = coefficients.predict(interactive)

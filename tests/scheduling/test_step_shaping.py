@@ -171,3 +171,23 @@ def test_without_interactive_work_batch_gets_whole_steps_again() -> None:
 def test_shaping_off_leaves_batch_decodes_beside_interactive_ones() -> None:
     records = shaped_steps(Simulation(ShapingConfig(enabled=False)))
     assert max(batch for *_, batch in records) >= 12
+
+
+@pytest.mark.parametrize(("shaping", "shapes_interactive_alone"), [
+    (ShapingConfig(), False),  # a derived target shapes only batch work
+    (ShapingConfig(interactive_itl_target_s=0.020), True),  # a fixed one shapes interactive prefill chunks too
+])
+def test_steps_with_only_interactive_work_are_shaped_only_under_a_fixed_target(
+        shaping: ShapingConfig, shapes_interactive_alone: bool) -> None:
+    sim = Simulation(shaping)
+    sim.warm_up()
+    while sim.scheduler.has_work():  # the batch backlog drains (unshaped: no interactive work is active)
+        sim.step()
+    shaped_before = sim.scheduler.snapshot().step_cost.shaped_steps
+    interactive = [make_request(96, 24, priority=INTERACTIVE) for _ in range(4)]
+    for request in interactive:
+        sim.scheduler.add_request(request)
+    while sim.scheduler.has_work():
+        sim.step()
+    assert all(r.status.is_finished for r in interactive)
+    assert (sim.scheduler.snapshot().step_cost.shaped_steps > shaped_before) is shapes_interactive_alone

@@ -13,6 +13,7 @@ from tenancy.tenants import TenantRegistry
 class TenantLoad:
     def __init__(self, tenants: TenantRegistry) -> None:
         self._tenants = tenants
+        self._max_concurrent = tenants.max_concurrent_limits()  # read for many waiting requests at every step
         self._unfinished: Counter[tuple[PriorityClass, str]] = Counter()  # per class and tenant
         self._unfinished_by_class: Counter[PriorityClass] = Counter()
         self._unfinished_by_tenant: Counter[str] = Counter()
@@ -68,5 +69,5 @@ class TenantLoad:
         return len(self._unfinished_by_tenant)
 
     def at_max_concurrent(self, tenant_id: str) -> bool:
-        limit = self._tenants.get(tenant_id).limits.max_concurrent
+        limit = self._max_concurrent.get(tenant_id)
         return limit is not None and self._running_by_tenant[tenant_id] >= limit

@@ -71,6 +71,7 @@ class TenantRegistry:
     def __init__(self, tenants: Iterable[Tenant], *, requires_auth: bool, admin_key_hashes: Iterable[str] = ()
                  ) -> None:
         self._tenants = {t.tenant_id: t for t in tenants}
+        self._weights: dict[str, float] = {t.tenant_id: t.weight for t in self._tenants.values()}  # per tenant per step
         self.requires_auth = requires_auth
         self._key_hashes = [(h.encode(), t) for t in self._tenants.values() for h in t.api_key_hashes]
         self._admin_key_hashes = [h.encode() for h in admin_key_hashes]
@@ -94,7 +95,13 @@ class TenantRegistry:
         return found
 
     def weight(self, tenant_id: str) -> float:
-        return self.get(tenant_id).weight
+        weight = self._weights.get(tenant_id)
+        return weight if weight is not None else self.get(tenant_id).weight
+
+    def max_concurrent_limits(self) -> dict[str, int]:
+        """The tenants with a max_concurrent limit, and that limit (stand-ins have none)."""
+        return {t.tenant_id: t.limits.max_concurrent for t in self._tenants.values()
+                if t.limits.max_concurrent is not None}
 
     def authenticate(self, api_key: str | None) -> Tenant | None:
         """The tenant owning this key; None for a missing or unknown key. Every hash is compared,

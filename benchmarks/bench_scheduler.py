@@ -22,14 +22,16 @@ import argparse
 import gc
 import random
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from benchmarks.fake_executors import FakeExecutor
-from gpu.plan import CacheGeometry
+from gpu.plan import CacheGeometry, ScheduledSequence
 from loadtest.bench_output import format_table, write_report
 from loadtest.stats import percentile_or_nan
-from scheduling.request import PriorityClass, Request, RequestId
+from scheduling.request import PriorityClass, Request, RequestId, TokenEvent
 from scheduling.scheduler import Scheduler, SchedulerConfig
 from tenancy.tenants import Tenant, TenantId, TenantRegistry
 
@@ -142,8 +144,7 @@ class SchedulerDriver:
 def run_steps(options: SchedulerBenchOptions) -> list[StepTiming]:
     """Warm up, then the timed steps; the workload is topped up before each."""
     driver = SchedulerDriver(options)
-    gc.freeze()
-    try:
+    with frozen_start_up_objects():
         timings = []
         for number in range(options.num_warmup_steps + options.num_steps):
             driver.top_up()
@@ -151,6 +152,39 @@ def run_steps(options: SchedulerBenchOptions) -> list[StepTiming]:
             if number >= options.num_warmup_steps:
                 timings.append(timing)
         return timings
+
+
+def time_floor(options: SchedulerBenchOptions) -> list[float]:
+    """Per step, the floor of a scheduler that hands the runner one sequence per request and the engine one
+    event per request, as this one does: for `num_running` requests decoding, only making a step's
+    `ScheduledSequence`s and `TokenEvent`s and appending each sampled token, with no decision at all. What
+    schedule + update take above it is the scheduler's own work."""
+    source = RequestSource(options.workload)
+    requests = [source.next_request() for _ in range(options.workload.num_running)]
+    new_event = tuple.__new__  # as Scheduler.update makes its events
+    with frozen_start_up_objects():
+        timings = []
+        for _ in range(options.num_steps):
+            started = time.perf_counter()
+            sequences = [ScheduledSequence(r.request_id, r.token_ids[-1:], r.num_computed_tokens, (), True, r.sampling)
+                         for r in requests]
+            events = []
+            for request in requests:
+                request.token_ids.append(0)
+                request.num_computed_tokens += 1
+                events.append(new_event(TokenEvent, (request.request_id, (0,), None, request.num_prompt_tokens,
+                                                     request.num_output_tokens, 0, None, (), ())))
+            timings.append(time.perf_counter() - started)
+            del sequences, events
+        return timings
+
+
+@contextmanager
+def frozen_start_up_objects() -> Iterator[None]:
+    """As `fairlane serve` does after start-up: what exists now stays out of the collector's passes."""
+    gc.freeze()
+    try:
+        yield
     finally:
         gc.unfreeze()  # a caller in the same process (a test) gets its collector back as it was
 
@@ -163,7 +197,7 @@ def milliseconds(seconds: list[float]) -> dict[str, float]:
     return {"p50": percentile_or_nan(in_ms, 50), "p99": percentile_or_nan(in_ms, 99), "max": max(in_ms, default=0.0)}
 
 
-def build_report(options: SchedulerBenchOptions, timings: list[StepTiming]) -> dict[str, Any]:
+def build_report(options: SchedulerBenchOptions, timings: list[StepTiming], floor_s: list[float]) -> dict[str, Any]:
     geometry = options.geometry()
     config = options.scheduler_config()
     num_steps = len(timings) or 1
@@ -172,6 +206,7 @@ def build_report(options: SchedulerBenchOptions, timings: list[StepTiming]) -> d
         "schedule": milliseconds([t.schedule_s for t in timings]),
         "update": milliseconds([t.update_s for t in timings]),
         "snapshot_and_cost_model": milliseconds([t.bookkeeping_s for t in timings]),
+        "per_request_objects_floor": milliseconds(floor_s),  # see time_floor
     }
     return {
         "benchmark": "scheduler",
@@ -228,7 +263,7 @@ def run_command(args: argparse.Namespace) -> int:
     workload = SchedulerWorkload(num_running=args.running, num_waiting=args.waiting, num_tenants=args.tenants,
                                  batch_share=args.batch_share, seed=args.seed)
     options = SchedulerBenchOptions(workload, num_steps=args.steps, num_warmup_steps=args.warmup_steps)
-    report = build_report(options, run_steps(options))
+    report = build_report(options, run_steps(options), time_floor(options))
     print(render_table(report))
     write_report(args.out, report)
     return 0

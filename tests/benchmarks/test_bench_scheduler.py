@@ -30,7 +30,8 @@ def test_bench_scheduler_reports_per_step_times(tmp_path: Path, capsys: pytest.C
     assert report["scheduler"]["max_num_seqs"] == 16
     assert 0 < report["running_mean"] <= 16
     assert report["running_mean"] + report["waiting_mean"] == pytest.approx(16 + 48)  # topped up every step
-    assert set(report["per_step_ms"]) == {"schedule_and_update", "schedule", "update", "snapshot_and_cost_model"}
+    assert set(report["per_step_ms"]) == {"schedule_and_update", "schedule", "update", "snapshot_and_cost_model",
+                                         "per_request_objects_floor"}
     for name, ms in report["per_step_ms"].items():
         assert 0 < ms["p50"] <= ms["p99"] <= ms["max"], name
     total, schedule, update = (report["per_step_ms"][k]["max"] for k in ("schedule_and_update", "schedule", "update"))

@@ -261,5 +261,7 @@ class KVBlockManager:
         return pairs
 
     def _hash_chain(self, request: Request, num_blocks: int) -> list[bytes]:
-        hashes = self._hashes.setdefault(request.request_id, [])
+        hashes = self._hashes.get(request.request_id)
+        if hashes is None:  # starts from the prompt's chain when the engine made it at submission
+            hashes = self._hashes[request.request_id] = list(request.prompt_block_hashes)
         return extend_block_hashes(hashes, request.token_ids, self.block_size, request.cache_salt, num_blocks)

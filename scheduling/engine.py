@@ -18,6 +18,7 @@ from typing import Any, Protocol
 
 from gpu.plan import StepPlan, StepResult
 from scheduling.executor import Executor
+from scheduling.prefix_cache import prompt_block_hashes
 from scheduling.request import Request, RequestId, RequestStatus, TokenEvent
 from scheduling.scheduler import Scheduler
 from scheduling.snapshot import SchedulerSnapshot, StepCostStats
@@ -146,8 +147,14 @@ class Engine:
             self._task = asyncio.create_task(self._run(), name="fairlane-engine")
 
     def submit(self, request: Request) -> RequestStream:
-        """Queue a request; its events arrive on the returned stream. Raises when full or stopping."""
+        """Queue a request; its events arrive on the returned stream. Raises when full or stopping.
+        The prompt's block hashes are made here, on the caller's side of the queue (in the server, an
+        HTTP handler, while the runner's thread computes a step): a step then never spends its time
+        hashing the prompts it admits, which for a long prompt would hold every other stream's token."""
         stream = self.track(request)
+        if self.scheduler.config.enable_prefix_caching:
+            block_size = self.scheduler.geometry.block_size
+            request.prompt_block_hashes = prompt_block_hashes(request.prompt_token_ids, block_size, request.cache_salt)
         self._incoming.append(request)
         self._wake.set()
         return stream

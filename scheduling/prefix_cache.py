@@ -25,3 +25,8 @@ def extend_block_hashes(hashes: list[bytes], token_ids: list[int], block_size: i
         parent = hashes[index - 1] if index else b""
         hashes.append(hash_block(parent, token_ids[index * block_size:(index + 1) * block_size], salt))
     return hashes
+
+
+def prompt_block_hashes(prompt_token_ids: list[int], block_size: int, salt: str) -> tuple[bytes, ...]:
+    """The chain of the prompt's full blocks: what `extend_block_hashes` would compute for them."""
+    return tuple(extend_block_hashes([], prompt_token_ids, block_size, salt, len(prompt_token_ids) // block_size))

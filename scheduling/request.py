@@ -65,9 +65,10 @@ class Request:
     """One generation. `num_computed_tokens` catches up to `num_tokens`: prefill chunks, decodes and
     the resume of a recomputed request are all the same path.
 
-    Each field has one writer: the API layer sets the request up; after `add_request` the scheduler
-    alone changes it, except `first_token_time`, which the engine stamps when it hands the first
-    token to the stream. Its KV blocks are not here: the block manager keeps them by request id."""
+    Each field has one writer: the API layer sets the request up, and the engine adds its prompt's
+    block hashes when it is submitted; after `add_request` the scheduler alone changes it, except
+    `first_token_time`, which the engine stamps when it hands the first token to the stream. Its KV
+    blocks are not here: the block manager keeps them by request id."""
 
     request_id: RequestId
     prompt_token_ids: list[int]
@@ -84,6 +85,10 @@ class Request:
     num_preemptions: int = 0
     num_charged_prompt_tokens: int = 0  # prompt positions already charged to the tenant's counter
     cache_salt: str = ""  # isolates prefix-cache entries: the tenant or its cache group, plus any request salt
+    # The hash chain of the prompt's full blocks (scheduling/prefix_cache.py), made by Engine.submit on the
+    # caller's side of the queue, so that no step spends its time hashing the prompts it admits; empty, the
+    # block manager hashes them when it first needs them.
+    prompt_block_hashes: tuple[bytes, ...] = ()
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # for prompt positions 1.., when asked
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

@@ -10,10 +10,11 @@ import pytest
 
 from gpu.models import LoadedModel, load_model
 from gpu.runner import ModelRunner, RunnerBudget
+from scheduling import prefix_cache
 from scheduling.engine import Engine
 from scheduling.request import Request, RequestId, TokenEvent
 from scheduling.scheduler import Scheduler, SchedulerConfig
-from tests.factories import wait_until
+from tests.factories import collect, make_fake_engine, make_request, prompt_tokens, running, wait_until
 
 BLOCK = 16
 
@@ -114,3 +115,27 @@ async def test_eviction_under_pressure_keeps_outputs_and_blocks(make_engine: Eng
     assert stats["kv_blocks_in_use"] == 0
     assert small.scheduler.blocks.device.num_free == stats["kv_blocks_total"]
     assert stats["prefix_cache"]["cached_blocks"] <= stats["kv_blocks_total"]
+
+
+async def test_prompts_are_hashed_at_submission_and_never_again_by_a_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Engine.submit makes the prompt's chain, on the caller's side of the queue; the block manager starts
+    from it, so admission hashes nothing, and a second request finds the first one's blocks by it."""
+    hashed: list[bytes] = []
+    real_hash_block = prefix_cache.hash_block
+
+    def counting_hash_block(parent: bytes, tokens: list[int], salt: str) -> bytes:
+        hashed.append(parent)
+        return real_hash_block(parent, tokens, salt)
+
+    monkeypatch.setattr(prefix_cache, "hash_block", counting_hash_block)
+    engine = make_fake_engine(block_size=4)
+    prompt = prompt_tokens(18)  # 4 full blocks and 2 tokens; with one output token no fifth block fills
+    async with running(engine):
+        first = make_request(prompt, 1)
+        stream = engine.submit(first)
+        assert len(first.prompt_block_hashes) == len(hashed) == 4
+        await collect(stream)
+        second = make_request(prompt, 1)
+        events = await collect(engine.submit(second))
+    assert len(hashed) == 8  # the second prompt's four blocks at its submission; no step hashed any
+    assert events[-1].num_cached_tokens == 16

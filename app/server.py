@@ -35,6 +35,7 @@ from app.routes import CLIENT_CLOSED_STATUS, OpenAIRoutes
 from app.submission import SHUTTING_DOWN
 from app.tokenization import TokenizationRoutes
 from config.settings import Settings
+from scheduling.gc_pacing import install_pacing
 
 logger = logging.getLogger(__name__)
 
@@ -192,7 +193,9 @@ def run_serve(args: argparse.Namespace) -> int:
     context = ServingContext(settings, engine, runner.loaded.tokenizer)
     server = DrainingServer(uvicorn_config(context), context)
     # What start-up made (the model, the tokenizer, the modules) lives as long as the server: keep it out
-    # of the garbage collector's full passes, which otherwise stall a step for 100 ms and more.
+    # of the garbage collector's full passes, which otherwise stall a step for 100 ms and more. The engine
+    # then makes the collections itself, while the runner computes each step (scheduling/gc_pacing.py).
     gc.freeze()
+    install_pacing()
     server.run()
     return server.exit_code

@@ -42,6 +42,7 @@ from config.settings import MiB, Settings, load_settings
 from loadtest.bench_output import format_table, write_report
 from loadtest.stats import percentile
 from scheduling.engine import Engine, RequestStream
+from scheduling.gc_pacing import install_pacing
 from scheduling.request import PriorityClass, Request, RequestId
 
 LATENCY_MAX_RATIO = 1.3  # TTFT p99, ITL p50 and ITL p99, each against the same percentile alone
@@ -218,8 +219,9 @@ def run_all(overrides: dict[str, Any], traffic: Traffic, config_file: str | None
     """Every run in order, on one loaded model; the batch-alone window is the interactive-alone one."""
     base = load_settings(config_file, overrides=overrides)
     loaded = load_model_for(base)
-    if freeze_gc:  # as `fairlane serve` does: the model is never garbage, keep it out of full collections
-        gc.freeze()
+    if freeze_gc:  # as `fairlane serve` does: the model is never garbage, keep it out of full collections,
+        gc.freeze()  # and let the engine collect while the runner computes (scheduling/gc_pacing.py)
+        install_pacing()
     traces: dict[str, RunTrace] = {}
     for spec in runs:
         settings = load_settings(config_file, overrides={**overrides, **spec.overrides})

@@ -15,7 +15,9 @@ model after every step: that bookkeeping is timed apart, as its own row. A last 
 this design at the same scale (see `time_floor`).
 
 As `fairlane serve` does after start-up, the process freezes its objects out of the garbage collector
-once the scheduler is built (before any request exists).
+once the scheduler is built (before any request exists), and installs the engine's paced collection:
+the driver asks for the collections due between `schedule()` and `update()`, where the engine asks
+while the runner computes, and times them as their own row.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from benchmarks.fake_executors import FakeExecutor
 from gpu.plan import CacheGeometry, ScheduledSequence
 from loadtest.bench_output import format_table, write_report
 from loadtest.stats import percentile_or_nan
+from scheduling.gc_pacing import PacedCollector, install_pacing
 from scheduling.prefix_cache import prompt_block_hashes
 from scheduling.request import PriorityClass, Request, RequestId, TokenEvent
 from scheduling.scheduler import Scheduler, SchedulerConfig
@@ -77,6 +80,7 @@ class StepTiming:
     schedule_s: float
     update_s: float
     bookkeeping_s: float  # what the engine does after each step: the cost model's observation, the snapshot
+    collection_s: float  # the garbage collection the engine makes while the runner computes (gc_pacing.py)
     num_running: int  # sequences in the step's plan
     num_waiting: int  # unfinished requests not in the plan (queued, or swapped out)
 
@@ -116,6 +120,7 @@ class SchedulerDriver:
         workload = options.workload
         self.scheduler = Scheduler(options.scheduler_config(), geometry, make_tenants(workload.num_tenants))
         self.executor = FakeExecutor(geometry, vocab_size=VOCAB, keep_plans=False)
+        self.collector = PacedCollector()
         self.source = RequestSource(workload)
         self.num_unfinished_target = workload.num_running + workload.num_waiting
         self.block_size = geometry.block_size
@@ -136,6 +141,8 @@ class SchedulerDriver:
         plan = self.scheduler.schedule()
         scheduled = time.perf_counter()
         result = self.executor.execute(plan)
+        collecting = time.perf_counter()
+        self.collector.collect_due()  # as the engine does while the runner computes the step
         updating = time.perf_counter()
         events = self.scheduler.update(plan, result)
         updated = time.perf_counter()
@@ -143,8 +150,8 @@ class SchedulerDriver:
         self.scheduler.snapshot()
         kept = time.perf_counter()
         num_in_plan = len(plan.sequences)
-        timing = StepTiming(scheduled - started, updated - updating, kept - updated, num_in_plan,
-                            self.num_unfinished - num_in_plan)
+        timing = StepTiming(scheduled - started, updated - updating, kept - updated, updating - collecting,
+                            num_in_plan, self.num_unfinished - num_in_plan)
         self.num_unfinished -= sum(event.is_final for event in events)
         return timing
 
@@ -152,7 +159,7 @@ class SchedulerDriver:
 def run_steps(options: SchedulerBenchOptions) -> list[StepTiming]:
     """Warm up, then the timed steps; the workload is topped up before each."""
     driver = SchedulerDriver(options)
-    with frozen_start_up_objects():
+    with serving_gc():
         timings = []
         for number in range(options.num_warmup_steps + options.num_steps):
             driver.top_up()
@@ -170,9 +177,11 @@ def time_floor(options: SchedulerBenchOptions) -> list[float]:
     source = RequestSource(options.workload)
     requests = [source.next_request() for _ in range(options.workload.num_running)]
     new_event = tuple.__new__  # as Scheduler.update makes its events
-    with frozen_start_up_objects():
+    collector = PacedCollector()
+    with serving_gc():
         timings = []
         for _ in range(options.num_steps):
+            collector.collect_due()
             started = time.perf_counter()
             sequences = [ScheduledSequence(r.request_id, r.token_ids[-1:], r.num_computed_tokens, (), True, r.sampling)
                          for r in requests]
@@ -188,13 +197,17 @@ def time_floor(options: SchedulerBenchOptions) -> list[float]:
 
 
 @contextmanager
-def frozen_start_up_objects() -> Iterator[None]:
-    """As `fairlane serve` does after start-up: what exists now stays out of the collector's passes."""
+def serving_gc() -> Iterator[None]:
+    """As `fairlane serve` does after start-up: what exists now stays out of the collector's passes, and
+    collections are left to the engine's pacing (scheduling/gc_pacing.py)."""
+    thresholds = gc.get_threshold()
     gc.freeze()
+    install_pacing()
     try:
         yield
-    finally:
-        gc.unfreeze()  # a caller in the same process (a test) gets its collector back as it was
+    finally:  # a caller in the same process (a test) gets its collector back as it was
+        gc.set_threshold(*thresholds)
+        gc.unfreeze()
 
 
 # ---- the report ------------------------------------------------------------------------------------
@@ -214,6 +227,7 @@ def build_report(options: SchedulerBenchOptions, timings: list[StepTiming], floo
         "schedule": milliseconds([t.schedule_s for t in timings]),
         "update": milliseconds([t.update_s for t in timings]),
         "snapshot_and_cost_model": milliseconds([t.bookkeeping_s for t in timings]),
+        "paced_gc_while_runner_computes": milliseconds([t.collection_s for t in timings]),
         "per_request_objects_floor": milliseconds(floor_s),  # see time_floor
     }
     return {

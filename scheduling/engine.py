@@ -18,6 +18,7 @@ from typing import Any, Protocol
 
 from gpu.plan import StepPlan, StepResult
 from scheduling.executor import Executor
+from scheduling.gc_pacing import PacedCollector
 from scheduling.prefix_cache import prompt_block_hashes
 from scheduling.request import Request, RequestId, RequestStatus, TokenEvent
 from scheduling.scheduler import Scheduler
@@ -129,6 +130,7 @@ class Engine:
         self._in_flight_by_tenant: Counter[str] = Counter()
         self._snapshot = scheduler.snapshot()
         self.times = EngineTimes()
+        self.collector = PacedCollector()
         self._streams: dict[RequestId, RequestStream] = {}
         self._incoming: list[Request] = []
         self._to_finish: list[tuple[RequestId, RequestStatus]] = []
@@ -260,6 +262,8 @@ class Engine:
             "steps": self.times.steps,
             "forward_seconds": round(self.times.forward_seconds, 6),
             "busy_seconds": round(self.times.busy_seconds, 6),
+            "paced_gc": {"collections_by_generation": list(self.collector.collections),
+                         "seconds": round(self.collector.seconds, 6)},
         }
 
     # ---- the loop -------------------------------------------------------------------------
@@ -287,7 +291,9 @@ class Engine:
         started = time.perf_counter()
         plan = self.scheduler.schedule()
         try:
-            result = await asyncio.get_running_loop().run_in_executor(self._pool, self.executor.execute, plan)
+            computing = asyncio.get_running_loop().run_in_executor(self._pool, self.executor.execute, plan)
+            self.collector.collect_due()  # while the runner's thread computes the step (see gc_pacing.py)
+            result = await computing
         except Exception as exc:  # a failed step must not strand the requests in it
             logger.exception("engine step failed")
             self._dispatch(self.scheduler.fail_all(f"the engine failed: {type(exc).__name__}"))

@@ -31,7 +31,7 @@ def test_bench_scheduler_reports_per_step_times(tmp_path: Path, capsys: pytest.C
     assert 0 < report["running_mean"] <= 16
     assert report["running_mean"] + report["waiting_mean"] == pytest.approx(16 + 48)  # topped up every step
     assert set(report["per_step_ms"]) == {"schedule_and_update", "schedule", "update", "snapshot_and_cost_model",
-                                         "per_request_objects_floor"}
+                                         "paced_gc_while_runner_computes", "per_request_objects_floor"}
     for name, ms in report["per_step_ms"].items():
         assert 0 < ms["p50"] <= ms["p99"] <= ms["max"], name
     total, schedule, update = (report["per_step_ms"][k]["max"] for k in ("schedule_and_update", "schedule", "update"))

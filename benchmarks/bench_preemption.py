@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
+import contextlib
 import itertools
 import random
 import time
@@ -37,12 +37,11 @@ from typing import Any
 
 from app.engine_factory import build_engine, load_model_for
 from app.flags import MODEL_FLAG_KEYS, add_model_flags
-from benchmarks.common import BenchRequest
+from benchmarks.common import BenchRequest, serving_gc
 from config.settings import MiB, Settings, load_settings
 from loadtest.bench_output import format_table, write_report
 from loadtest.stats import percentile
 from scheduling.engine import Engine, RequestStream
-from scheduling.gc_pacing import install_pacing
 from scheduling.request import PriorityClass, Request, RequestId
 
 LATENCY_MAX_RATIO = 1.3  # TTFT p99, ITL p50 and ITL p99, each against the same percentile alone
@@ -215,19 +214,17 @@ async def drive(engine: Engine, spec: RunSpec, traffic: Traffic, window_s: float
 
 
 def run_all(overrides: dict[str, Any], traffic: Traffic, config_file: str | None = None,
-            runs: Sequence[RunSpec] = RUNS, freeze_gc: bool = False) -> tuple[Settings, dict[str, RunTrace]]:
+            runs: Sequence[RunSpec] = RUNS, gc_as_served: bool = False) -> tuple[Settings, dict[str, RunTrace]]:
     """Every run in order, on one loaded model; the batch-alone window is the interactive-alone one."""
     base = load_settings(config_file, overrides=overrides)
     loaded = load_model_for(base)
-    if freeze_gc:  # as `fairlane serve` does: the model is never garbage, keep it out of full collections,
-        gc.freeze()  # and let the engine collect while the runner computes (scheduling/gc_pacing.py)
-        install_pacing()
     traces: dict[str, RunTrace] = {}
-    for spec in runs:
-        settings = load_settings(config_file, overrides={**overrides, **spec.overrides})
-        engine, _ = build_engine(settings, loaded)
-        window = traces["interactive_alone"].window_s if "interactive_alone" in traces else traffic.duration_s
-        traces[spec.name] = asyncio.run(drive(engine, spec, traffic, window))
+    with serving_gc() if gc_as_served else contextlib.nullcontext():  # as `fairlane serve` does
+        for spec in runs:
+            settings = load_settings(config_file, overrides={**overrides, **spec.overrides})
+            engine, _ = build_engine(settings, loaded)
+            window = traces["interactive_alone"].window_s if "interactive_alone" in traces else traffic.duration_s
+            traces[spec.name] = asyncio.run(drive(engine, spec, traffic, window))
     return base, traces
 
 
@@ -441,7 +438,7 @@ def traffic_of(args: argparse.Namespace) -> Traffic:
 def run_command(args: argparse.Namespace) -> int:
     overrides = {key: getattr(args, key, None) for key in (*MODEL_FLAG_KEYS, "swap_space_bytes")}
     traffic = traffic_of(args)
-    settings, traces = run_all(overrides, traffic, getattr(args, "config", None), freeze_gc=True)
+    settings, traces = run_all(overrides, traffic, getattr(args, "config", None), gc_as_served=True)
     report = build_report(settings, traffic, traces)
     print(render_table(report))
     write_report(args.out, report)

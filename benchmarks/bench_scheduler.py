@@ -23,19 +23,17 @@ while the runner computes, and times them as their own row.
 from __future__ import annotations
 
 import argparse
-import gc
 import random
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from benchmarks.common import serving_gc
 from benchmarks.fake_executors import FakeExecutor
 from gpu.plan import CacheGeometry, ScheduledSequence
 from loadtest.bench_output import format_table, write_report
 from loadtest.stats import percentile_or_nan
-from scheduling.gc_pacing import PacedCollector, install_pacing
+from scheduling.gc_pacing import PacedCollector
 from scheduling.prefix_cache import prompt_block_hashes
 from scheduling.request import PriorityClass, Request, RequestId, TokenEvent
 from scheduling.scheduler import Scheduler, SchedulerConfig
@@ -194,20 +192,6 @@ def time_floor(options: SchedulerBenchOptions) -> list[float]:
             timings.append(time.perf_counter() - started)
             del sequences, events
         return timings
-
-
-@contextmanager
-def serving_gc() -> Iterator[None]:
-    """As `fairlane serve` does after start-up: what exists now stays out of the collector's passes, and
-    collections are left to the engine's pacing (scheduling/gc_pacing.py)."""
-    thresholds = gc.get_threshold()
-    gc.freeze()
-    install_pacing()
-    try:
-        yield
-    finally:  # a caller in the same process (a test) gets its collector back as it was
-        gc.set_threshold(*thresholds)
-        gc.unfreeze()
 
 
 # ---- the report ------------------------------------------------------------------------------------

@@ -12,10 +12,10 @@ already freed, and collects far less often.
 With pacing installed (`fairlane serve` does it after start-up, next to `gc.freeze()`), the
 automatic collector only acts as a safety net, past `SAFETY_NET_THRESHOLD` containers (for traffic
 while no step runs), and the engine collects itself, at CPython's cadence counted between steps,
-while the runner's thread computes a step: the scheduler's path then holds no collection. What stays shared is
-the interpreter lock, which a collection holds; the runner's thread needs it only between kernels
-(on a GPU it mostly waits for the device, without it). vLLM keeps its engine loop and its model
-workers in separate processes, where this question does not arise.
+while the runner's thread computes a step: the scheduler's path then holds no collection. What
+stays shared is the interpreter lock, which a collection holds; the runner's thread needs it only
+between kernels (on a GPU it mostly waits for the device, without it). vLLM keeps its engine loop
+and its model workers in separate processes, where this question does not arise.
 
 CPython also skips a full collection while fewer than a quarter of the long-lived objects are new;
 that count is not visible from Python, so a paced full collection comes after every 10 middle ones.

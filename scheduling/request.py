@@ -136,4 +136,3 @@ class TokenEvent(NamedTuple):
     @property
     def is_final(self) -> bool:
         return self.finish_reason is not None
-

@@ -226,8 +226,6 @@ class Scheduler:
             first_general = num_interactive_decodes
         held_for_interactive = min(interactive_demand.tokens, self.config.max_num_batched_tokens - reserve)
         may_shape = self._may_shape()
-        # Under a derived target only batch work is shaped: then interactive requests skip asking.
-        shapes_interactive = self.shaper.config.interactive_itl_target_s is not None
         table_of, block_size = self.blocks.device_tables.get, self.geometry.block_size
         interactive, running = PriorityClass.INTERACTIVE, RequestStatus.RUNNING
         for index in range(first_general, len(ordered)):
@@ -239,7 +237,7 @@ class Scheduler:
             cap = step.tokens_left - (reserve if request.priority is interactive else held_for_interactive)
             if num_new > cap:
                 num_new = cap
-            if may_shape and (shapes_interactive or request.priority is not interactive):
+            if may_shape:
                 num_new = self._shaped(step, request, num_new, interactive_demand)
             if num_new <= 0:
                 continue

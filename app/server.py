@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -35,7 +34,7 @@ from app.routes import CLIENT_CLOSED_STATUS, OpenAIRoutes
 from app.submission import SHUTTING_DOWN
 from app.tokenization import TokenizationRoutes
 from config.settings import Settings
-from scheduling.gc_pacing import install_pacing
+from scheduling.gc_pacing import paced_collection
 
 logger = logging.getLogger(__name__)
 
@@ -192,10 +191,8 @@ def run_serve(args: argparse.Namespace) -> int:
     engine, runner = build_engine(settings)
     context = ServingContext(settings, engine, runner.loaded.tokenizer)
     server = DrainingServer(uvicorn_config(context), context)
-    # What start-up made (the model, the tokenizer, the modules) lives as long as the server: keep it out
-    # of the garbage collector's full passes, which otherwise stall a step for 100 ms and more. The engine
-    # then makes the collections itself, while the runner computes each step (scheduling/gc_pacing.py).
-    gc.freeze()
-    install_pacing()
-    server.run()
+    # What start-up made lives as long as the server: out of the garbage collector's full passes, which
+    # otherwise stall a step for 100 ms and more; the engine makes the collections while the runner computes.
+    with paced_collection():
+        server.run()
     return server.exit_code

@@ -37,11 +37,12 @@ from typing import Any
 
 from app.engine_factory import build_engine, load_model_for
 from app.flags import MODEL_FLAG_KEYS, add_model_flags
-from benchmarks.common import BenchRequest, serving_gc
+from benchmarks.common import BenchRequest
 from config.settings import MiB, Settings, load_settings
 from loadtest.bench_output import format_table, write_report
 from loadtest.stats import percentile
 from scheduling.engine import Engine, RequestStream
+from scheduling.gc_pacing import paced_collection
 from scheduling.request import PriorityClass, Request, RequestId
 
 LATENCY_MAX_RATIO = 1.3  # TTFT p99, ITL p50 and ITL p99, each against the same percentile alone
@@ -219,7 +220,7 @@ def run_all(overrides: dict[str, Any], traffic: Traffic, config_file: str | None
     base = load_settings(config_file, overrides=overrides)
     loaded = load_model_for(base)
     traces: dict[str, RunTrace] = {}
-    with serving_gc() if gc_as_served else contextlib.nullcontext():  # as `fairlane serve` does
+    with paced_collection() if gc_as_served else contextlib.nullcontext():  # as `fairlane serve` does
         for spec in runs:
             settings = load_settings(config_file, overrides={**overrides, **spec.overrides})
             engine, _ = build_engine(settings, loaded)

@@ -28,12 +28,11 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from benchmarks.common import serving_gc
 from benchmarks.fake_executors import FakeExecutor
 from gpu.plan import CacheGeometry, ScheduledSequence
 from loadtest.bench_output import format_table, write_report
 from loadtest.stats import percentile_or_nan
-from scheduling.gc_pacing import PacedCollector
+from scheduling.gc_pacing import PacedCollector, paced_collection
 from scheduling.prefix_cache import prompt_block_hashes
 from scheduling.request import PriorityClass, Request, RequestId, TokenEvent
 from scheduling.scheduler import Scheduler, SchedulerConfig
@@ -157,7 +156,7 @@ class SchedulerDriver:
 def run_steps(options: SchedulerBenchOptions) -> list[StepTiming]:
     """Warm up, then the timed steps; the workload is topped up before each."""
     driver = SchedulerDriver(options)
-    with serving_gc():
+    with paced_collection():
         timings = []
         for number in range(options.num_warmup_steps + options.num_steps):
             driver.top_up()
@@ -176,7 +175,7 @@ def time_floor(options: SchedulerBenchOptions) -> list[float]:
     requests = [source.next_request() for _ in range(options.workload.num_running)]
     new_event = tuple.__new__  # as Scheduler.update makes its events
     collector = PacedCollector()
-    with serving_gc():
+    with paced_collection():
         timings = []
         for _ in range(options.num_steps):
             collector.collect_due()

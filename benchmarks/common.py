@@ -5,16 +5,12 @@ Torch-free: the systems under test import their own stacks; this module only des
 
 from __future__ import annotations
 
-import gc
 import random
 import resource
 import sys
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
-
-from scheduling.gc_pacing import install_pacing
 
 KiB = 1024
 MiB = 1024 * 1024
@@ -99,16 +95,3 @@ def common_prefix_fraction(ours: Sequence[Sequence[int]], theirs: Sequence[Seque
               for a, b, r in zip(ours, theirs, workload, strict=True) if r.num_output_tokens]
     return sum(shares) / len(shares) if shares else 0.0
 
-
-@contextmanager
-def serving_gc() -> Iterator[None]:
-    """As `fairlane serve` does after start-up: what exists now stays out of the collector's passes, and
-    collections are left to the engine's pacing (scheduling/gc_pacing.py)."""
-    thresholds = gc.get_threshold()
-    gc.freeze()
-    install_pacing()
-    try:
-        yield
-    finally:  # a caller in the same process (a test) gets its collector back as it was
-        gc.set_threshold(*thresholds)
-        gc.unfreeze()

@@ -9,7 +9,7 @@ dozen steps, and a full one (over 10 ms with a thousand requests in flight) ever
 stalling every stream at once. Asked between steps, the collector finds most of those containers
 already freed, and collects far less often.
 
-With pacing installed (`fairlane serve` does it after start-up, next to `gc.freeze()`), the
+With pacing installed (`paced_collection`: `fairlane serve` after start-up, with `gc.freeze()`), the
 automatic collector only acts as a safety net, past `SAFETY_NET_THRESHOLD` containers (for traffic
 while no step runs), and the engine collects itself, at CPython's cadence counted between steps,
 while the runner's thread computes a step: the scheduler's path then holds no collection. What
@@ -25,15 +25,28 @@ from __future__ import annotations
 
 import gc
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 YOUNG_THRESHOLD = 700  # CPython's default: new containers that make a young collection due
 OLDER_EVERY = 10  # CPython's default: collections of one generation per collection of the next
 SAFETY_NET_THRESHOLD = 50_000  # the automatic collector's threshold while pacing is installed
 
 
-def install_pacing() -> None:
-    """Leave young collections to the engine's steps (process-wide: for a serving process)."""
+@contextmanager
+def paced_collection() -> Iterator[None]:
+    """A serving process's collector, for as long as it serves (`fairlane serve`, and the benchmarks
+    that stand in for it): what exists now (the model, the tokenizer, the modules) stays out of every
+    collection, and young collections are left to the engine's steps. Process-wide; undone on exit, so
+    a caller in the same process (a test) gets its collector back as it was."""
+    thresholds = gc.get_threshold()
+    gc.freeze()
     gc.set_threshold(SAFETY_NET_THRESHOLD, OLDER_EVERY, OLDER_EVERY)
+    try:
+        yield
+    finally:
+        gc.set_threshold(*thresholds)
+        gc.unfreeze()
 
 
 class PacedCollector:

@@ -10,15 +10,14 @@ from typing import Any
 
 import pytest
 
-from scheduling.gc_pacing import OLDER_EVERY, YOUNG_THRESHOLD, PacedCollector, install_pacing
+from scheduling.gc_pacing import OLDER_EVERY, YOUNG_THRESHOLD, PacedCollector, paced_collection
 from tests.factories import collect, make_fake_engine, make_request, running
 
 
 @pytest.fixture
 def paced() -> Iterator[list[tuple[int, bool]]]:
-    """Pacing installed for the test; yields (generation, made by PacedCollector.collect_due) for each
-    collection that starts, and puts the collector back as it was."""
-    thresholds = gc.get_threshold()
+    """The serving collector for the test; yields (generation, made by PacedCollector.collect_due) for
+    each collection that starts. `paced_collection` puts the collector back as it was."""
     gc.collect()
     started: list[tuple[int, bool]] = []
 
@@ -26,13 +25,12 @@ def paced() -> Iterator[list[tuple[int, bool]]]:
         if phase == "start":
             started.append((info["generation"], made_by_pacing(sys._getframe(1))))
 
-    install_pacing()
-    gc.callbacks.append(record)
-    try:
-        yield started
-    finally:
-        gc.callbacks.remove(record)
-        gc.set_threshold(*thresholds)
+    with paced_collection():
+        gc.callbacks.append(record)
+        try:
+            yield started
+        finally:
+            gc.callbacks.remove(record)
 
 
 def made_by_pacing(frame: Any) -> bool:

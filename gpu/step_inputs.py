@@ -14,7 +14,7 @@ from itertools import chain
 
 import torch
 
-from gpu.attention import PagedMetadata, PrefillChunk
+from gpu.attention import FRESH_PROMPT, PagedMetadata
 from gpu.kv_cache import PagedKVCache
 from gpu.plan import ScheduledSequence
 
@@ -64,14 +64,14 @@ def build_step_inputs(sequences: Sequence[ScheduledSequence], cache: PagedKVCach
 def _paged_metadata(sequences: Sequence[ScheduledSequence], cache: PagedKVCache, tables: torch.Tensor,
                     write_rows: torch.Tensor) -> PagedMetadata:
     num_decodes = sum(1 for s in sequences if len(s.token_ids) == 1)
-    meta = PagedMetadata(cache, write_rows, num_decodes)
-    if num_decodes:
-        _add_decode_layout(meta, sequences[:num_decodes], tables[:num_decodes], cache)
-    query_start = num_decodes
-    for row, seq in enumerate(sequences[num_decodes:], start=num_decodes):
-        meta.prefills.append(_prefill_chunk(seq, tables[row], query_start, cache))
-        query_start += len(seq.token_ids)
-    return meta
+    decode_rows, decode_bias = _decode_layout(sequences[:num_decodes], tables[:num_decodes], cache)
+    layout, prefill_rows = _prefill_layout(sequences[num_decodes:], tables[num_decodes:], num_decodes, cache)
+    buffer_shape = (decode_rows.shape[0], cache.shape.block_size, cache.shape.head_dim)
+    return PagedMetadata(
+        kv_pool=cache.device_pool, write_rows=write_rows, decode_rows=decode_rows, decode_bias=decode_bias,
+        decode_keys=torch.empty(buffer_shape, dtype=cache.shape.dtype, device=cache.device),
+        decode_values=torch.empty(buffer_shape, dtype=cache.shape.dtype, device=cache.device),
+        prefill_layout=layout, prefill_rows=prefill_rows)
 
 
 def context_rows(blocks: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
@@ -80,28 +80,37 @@ def context_rows(blocks: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
     return blocks.unsqueeze(-2) * num_kv_heads + heads
 
 
-def _add_decode_layout(meta: PagedMetadata, decodes: Sequence[ScheduledSequence], tables: torch.Tensor,
-                       cache: PagedKVCache) -> None:
+def _decode_layout(decodes: Sequence[ScheduledSequence], tables: torch.Tensor, cache: PagedKVCache
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """Whole blocks of every decode's context, padded to the longest, and the bias that hides the padding."""
-    block_size = cache.shape.block_size
-    lengths = torch.tensor([s.start_position + 1 for s in decodes], device=tables.device)
+    device, block_size = tables.device, cache.shape.block_size
+    if not decodes:
+        return torch.empty(0, dtype=torch.long, device=device), torch.zeros((0, 1, 1, 0), device=device)
+    lengths = torch.tensor([s.start_position + 1 for s in decodes], device=device)
     num_blocks = -(-int(lengths.max()) // block_size)
-    meta.decode_rows = context_rows(tables[:, :num_blocks], cache.shape.num_kv_heads).reshape(-1)
-    keys = torch.arange(num_blocks * block_size, device=tables.device)
+    rows = context_rows(tables[:, :num_blocks], cache.shape.num_kv_heads).reshape(-1)
+    keys = torch.arange(num_blocks * block_size, device=device)
     hidden = (keys[None, :] >= lengths[:, None])[:, None, None, :]
-    meta.decode_bias = torch.zeros(hidden.shape, device=tables.device).masked_fill(hidden, float("-inf"))
-    meta.max_decode_context = num_blocks * block_size
+    return rows, torch.zeros(hidden.shape, device=device).masked_fill(hidden, float("-inf"))
 
 
-def _prefill_chunk(seq: ScheduledSequence, table: torch.Tensor, query_start: int, cache: PagedKVCache
-                   ) -> PrefillChunk:
-    num_queries = len(seq.token_ids)
-    if seq.start_position == 0:  # a fresh prompt: the chunk is all its context, plainly causal
-        return PrefillChunk(query_start, num_queries, num_queries, None, None)
-    context_len = seq.start_position + num_queries
-    device = table.device
-    blocks = table[: -(-context_len // cache.shape.block_size)]
-    query_positions = seq.start_position + torch.arange(num_queries, device=device)
-    mask = torch.arange(context_len, device=device)[None, :] <= query_positions[:, None]
-    return PrefillChunk(query_start, num_queries, context_len,
-                        context_rows(blocks, cache.shape.num_kv_heads).reshape(-1), mask)
+def _prefill_layout(chunks: Sequence[ScheduledSequence], tables: torch.Tensor, query_start: int,
+                    cache: PagedKVCache) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each chunk's row of PagedMetadata.prefill_layout (on the CPU: the op reads it as numbers), and the
+    context rows of the chunks that continue a cached context, concatenated."""
+    layout: list[list[int]] = []
+    rows: list[torch.Tensor] = []
+    num_rows = 0
+    for seq, table in zip(chunks, tables, strict=True):
+        num_queries = len(seq.token_ids)
+        context_len = seq.start_position + num_queries
+        if seq.start_position == 0:  # a fresh prompt: the chunk is all its context
+            layout.append([query_start, num_queries, context_len, FRESH_PROMPT])
+        else:
+            blocks = table[: -(-context_len // cache.shape.block_size)]
+            rows.append(context_rows(blocks, cache.shape.num_kv_heads).reshape(-1))
+            layout.append([query_start, num_queries, context_len, num_rows])
+            num_rows += rows[-1].shape[0]
+        query_start += num_queries
+    concatenated = torch.cat(rows) if rows else torch.empty(0, dtype=torch.long, device=tables.device)
+    return torch.tensor(layout, dtype=torch.long).reshape(-1, 4), concatenated

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from config.settings import Settings
+from gpu.compiled import CompileConfig
 from gpu.models import LoadedModel, load_model
 from gpu.runner import ModelRunner, RunnerBudget
 from scheduling.engine import Engine
@@ -22,7 +23,7 @@ def build_runner(settings: Settings, loaded: LoadedModel) -> ModelRunner:
                           swap_space_bytes=settings.swap_space_bytes, max_model_len=settings.max_model_len,
                           seed=settings.seed, kv_cache_memory_fraction=settings.kv_cache_memory_fraction,
                           max_num_seqs=settings.max_num_seqs)
-    return ModelRunner(loaded, budget)
+    return ModelRunner(loaded, budget, CompileConfig(settings.compile_mode, settings.compile_cache_dir))
 
 
 def scheduler_config_of(settings: Settings) -> SchedulerConfig:

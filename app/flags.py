@@ -23,10 +23,13 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-memory-fraction", type=float,
                         help="the KV pool's share of the memory free after loading, without --kv-cache-bytes")
     parser.add_argument("--block-size", type=int)
+    parser.add_argument("--compile", dest="compile_mode", choices=["none", "default", "max"],
+                        help="the forward as eager code (none) or compiled by inductor (default; max: frozen "
+                             "weights and autotuned GEMMs); compiled at start-up, cached on disk")
 
 
 MODEL_FLAG_KEYS = ("model", "device", "dtype", "quantization", "max_num_seqs", "max_num_batched_tokens",
-                   "kv_cache_bytes", "kv_cache_memory_fraction", "block_size")
+                   "kv_cache_bytes", "kv_cache_memory_fraction", "block_size", "compile_mode")
 
 
 def settings_from_args(args: argparse.Namespace, extra_keys: Sequence[str] = ()) -> Settings:

@@ -52,6 +52,7 @@ class LoadedModel:
     max_model_len: int
     dtype: torch.dtype
     device: torch.device
+    quantization: Quantization = "none"
 
 
 def resolve_device(device: str) -> torch.device:
@@ -186,7 +187,8 @@ def load_model(spec: str, *, device: str = "auto", dtype: str = "auto", seed: in
         model, tokenizer = load_checkpoint(Path(spec), torch_dtype)
     model = model.to(device=torch_device, dtype=torch_dtype)
     quantize_linears(model, quantization)
-    return LoadedModel(spec, model, tokenizer, context_length_of(model.config), torch_dtype, torch_device)
+    return LoadedModel(spec, model, tokenizer, context_length_of(model.config), torch_dtype, torch_device,
+                       quantization)
 
 
 def context_length_of(config: Any) -> int:

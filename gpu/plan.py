@@ -122,6 +122,7 @@ class StepResult:
     prompt_logprobs: dict[str, tuple[int, tuple[TokenLogprobs, ...]]] = field(default_factory=dict)
     forward_seconds: float = 0.0  # time inside the model forward (for forward_fraction)
     swap_seconds: float = 0.0  # time spent copying blocks between device and CPU
+    recompilations: int = 0  # compilations of the forward this step caused after start-up (should stay 0)
 
 
 @dataclass(slots=True, frozen=True)

@@ -11,6 +11,7 @@ import psutil
 import torch
 
 from gpu.attention import ATTENTION_NAME
+from gpu.compiled import CompileConfig, PackedForward, artifact_folder, use_artifact_folder, warm_up
 from gpu.kv_cache import KVShape, PagedKVCache
 from gpu.models import LoadedModel
 from gpu.plan import CacheGeometry, ScheduledSequence, StepPlan, StepResult, StructuredOutput
@@ -61,7 +62,7 @@ def kv_shape_of(loaded: LoadedModel, block_size: int) -> KVShape:
 class ModelRunner:
     """Owns the model, the KV pools and the sampler. Called from one worker thread only."""
 
-    def __init__(self, loaded: LoadedModel, budget: RunnerBudget) -> None:
+    def __init__(self, loaded: LoadedModel, budget: RunnerBudget, compilation: CompileConfig | None = None) -> None:
         self.loaded = loaded
         self.model = loaded.model
         self.model.set_attn_implementation(ATTENTION_NAME)
@@ -79,6 +80,16 @@ class ModelRunner:
         self.matchers = GrammarMatchers(self.grammars)
         self._geometry = CacheGeometry(self.cache.num_device_blocks, self.cache.num_cpu_blocks,
                                        budget.block_size, shape.bytes_per_block, max_len)
+        self.forward = self._packed_forward(compilation or CompileConfig())
+        warm_up(self.forward, self.compute_logits, budget.block_size, self.cache.num_device_blocks)
+
+    def _packed_forward(self, compilation: CompileConfig) -> PackedForward:
+        if compilation.mode != "none" and compilation.cache_dir is not None:
+            folder = artifact_folder(compilation.cache_dir, self.loaded.name, self.loaded.dtype,
+                                     self.loaded.quantization, compilation.mode, self.device)
+            use_artifact_folder(folder)
+            logger.info("compiled artifacts: %s", folder)
+        return PackedForward(self.model, compilation.mode)
 
     @property
     def geometry(self) -> CacheGeometry:
@@ -104,8 +115,10 @@ class ModelRunner:
         masks = self.matchers.masks(sampling)
         forward_started = time.perf_counter()
         extra = prompt_rows(ordered)
+        recompilations = self.forward.recompilations
         logits = self.compute_logits(ordered, extra.rows)
         result.forward_seconds = time.perf_counter() - forward_started
+        result.recompilations = self.forward.recompilations - recompilations
         if not extra.is_empty:
             result.prompt_logprobs = prompt_logprobs(logits[len(sampling):], extra, ordered)
             logits = logits[:len(sampling)]
@@ -125,7 +138,4 @@ class ModelRunner:
         keep = step.logits_indices
         if extra_rows:
             keep = torch.cat([keep, torch.tensor(list(extra_rows), dtype=keep.dtype, device=keep.device)])
-        output = self.model(input_ids=step.input_ids, position_ids=step.positions,
-                            logits_to_keep=keep, use_cache=False, paged_metadata=step.metadata)
-        logits: torch.Tensor = output.logits[0].float()
-        return logits
+        return self.forward(step, keep)

@@ -114,6 +114,7 @@ class EngineTimes:
     steps: int = 0
     busy_seconds: float = 0.0  # wall time of steps, scheduling and update included
     forward_seconds: float = 0.0  # inside the model forward
+    recompilations: int = 0  # compilations of the forward during serving (a step shape start-up did not compile)
     swap_seconds: float = 0.0
 
 
@@ -261,6 +262,7 @@ class Engine:
             "step_cost": step_cost_stats(s.step_cost),
             "steps": self.times.steps,
             "forward_seconds": round(self.times.forward_seconds, 6),
+            "forward_recompilations": self.times.recompilations,
             "busy_seconds": round(self.times.busy_seconds, 6),
             "paced_gc": {"collections_by_generation": list(self.collector.collections),
                          "seconds": round(self.collector.seconds, 6)},
@@ -367,6 +369,7 @@ class Engine:
         self.times.steps += 1
         self.times.busy_seconds += seconds
         self.times.forward_seconds += result.forward_seconds
+        self.times.recompilations += result.recompilations
         self.times.swap_seconds += result.swap_seconds
 
     # ---- requests whose steps run on another engine (a cluster replica, see cluster/) -------

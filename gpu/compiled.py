@@ -1,0 +1,181 @@
+"""The runner's packed forward, eager or compiled with torch.compile (inductor).
+
+One graph covers the whole step: embeddings, every layer and the LM head, with the paged attention a
+registered custom op inside it (gpu/attention.py), so nothing breaks the graph. Shapes:
+- one token (one stream's decode) gets a graph of its own, fully static;
+- every other step shares one graph whose token count is a dynamic size, and whose step layout
+  (how many decodes, chunks and context rows, how many logits are kept) is unbacked: those sizes
+  only reach the opaque attention op and the LM head's rows, so the graph never guards on them and
+  no mix of decodes and prefill chunks compiles it again. The KV pool's size is unbacked too, so
+  the artifacts of one start serve the next even when its pool is sized differently.
+Both are compiled at start-up (`warm_up`), so a request never pays for a compilation; one that
+happens later all the same is logged and counted (`recompilations`).
+
+Modes: `none` (eager), `default` (inductor's defaults), `max` (frozen weights, so constant folding and
+prepacked GEMM weights, and max-autotune's choice of GEMM kernels). Inductor keeps its artifacts on
+disk under a folder keyed by model, dtype, quantization, mode, torch version and machine: a second
+start loads them instead of compiling.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from gpu.attention import PagedMetadata
+from gpu.plan import SamplingParams, ScheduledSequence
+from gpu.step_inputs import StepInputs
+
+logger = logging.getLogger(__name__)
+
+CompileMode = Literal["none", "default", "max"]
+
+# Inductor options of each mode (None: eager). Freezing folds the weights into the graph as
+# constants, which lets inductor prepack them for its GEMM kernels; max_autotune picks among them.
+INDUCTOR_OPTIONS: dict[CompileMode, dict[str, Any] | None] = {
+    "none": None,
+    "default": {},
+    "max": {"freezing": True, "max_autotune": True},
+}
+
+
+@dataclass(slots=True, frozen=True)
+class CompileConfig:
+    """How the runner's forward runs, and where compiled artifacts are kept."""
+
+    mode: CompileMode = "none"
+    cache_dir: str | None = None  # the artifacts' root; None: inductor's own default folder
+
+
+def machine_key(device: torch.device) -> str:
+    """What compiled code depends on besides the model: the processor (its instruction sets) or the GPU."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        major, minor = torch.cuda.get_device_capability(device)
+        return f"{name}-sm{major}{minor}"
+    try:
+        with open("/proc/cpuinfo") as handle:
+            described = "".join(line for line in handle if line.startswith(("model name", "flags")))
+    except OSError:
+        described = platform.processor()
+    return f"{platform.machine()}-{hashlib.sha256(described.encode()).hexdigest()[:12]}"
+
+
+def artifact_folder(root: str, model_name: str, dtype: torch.dtype, quantization: str, mode: CompileMode,
+                    device: torch.device) -> Path:
+    """One folder per combination that compiles to different code: nothing stale is ever picked up."""
+    readable = re.sub(r"[^A-Za-z0-9_.-]+", "_", Path(model_name).name)[:48]
+    identity = f"{model_name}|{dtype}|{quantization}|{mode}|{torch.__version__}|{machine_key(device)}"
+    return Path(root) / f"{readable}-{hashlib.sha256(identity.encode()).hexdigest()[:16]}"
+
+
+def use_artifact_folder(folder: Path) -> None:
+    """Point inductor's on-disk caches (FX graphs, AOT autograd, kernels) at the folder. Inductor reads
+    this variable whenever it opens its cache, so it must be set before the first compilation."""
+    folder.mkdir(parents=True, exist_ok=True)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder.resolve())
+
+
+def compilations_so_far() -> int:
+    """Graphs dynamo has compiled in this process (its own counter)."""
+    return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+
+
+def mark_step_shapes(step: StepInputs, keep: torch.Tensor) -> None:
+    """Tell dynamo which sizes vary from step to step (see the module's note)."""
+    for tensor in step.metadata.tensors():  # the pool too: its size must not key the artifacts
+        for dim in range(tensor.dim()):
+            torch._dynamo.decorators.mark_unbacked(tensor, dim)
+    if step.input_ids.shape[1] > 1:  # else the one-token graph, its token and logit counts static
+        torch._dynamo.mark_dynamic(step.input_ids, 1)
+        torch._dynamo.mark_dynamic(step.positions, 1)
+        torch._dynamo.decorators.mark_unbacked(keep, 0)
+
+
+class PackedForward:
+    """`model(packed step) -> float32 logits` of the kept rows, eagerly or through a compiled graph."""
+
+    def __init__(self, model: Any, mode: CompileMode) -> None:
+        self.model = model
+        self.mode = mode
+        options = INDUCTOR_OPTIONS[mode]
+        self._compiled = None if options is None else torch.compile(self._forward, fullgraph=True, options=options)
+        self._compilations_at_ready: int | None = None  # dynamo's count once warm_up is done
+        self.recompilations = 0  # compilations after warm_up: a shape nobody planned for
+        self.compile_seconds = 0.0
+
+    @property
+    def is_compiled(self) -> bool:
+        return self._compiled is not None
+
+    def __call__(self, step: StepInputs, keep: torch.Tensor) -> torch.Tensor:
+        if self._compiled is None:
+            return self._forward(step.input_ids, step.positions, keep, step.metadata)
+        mark_step_shapes(step, keep)
+        before = compilations_so_far()
+        logits: torch.Tensor = self._compiled(step.input_ids, step.positions, keep, step.metadata)
+        if self._compilations_at_ready is not None and compilations_so_far() > before:
+            self.recompilations += compilations_so_far() - before
+            logger.warning("the forward compiled again during serving (%d tokens, %d logits kept): %d so far",
+                           step.input_ids.shape[1], keep.shape[0], self.recompilations)
+        return logits
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor,
+                 metadata: PagedMetadata) -> torch.Tensor:
+        output = self.model(input_ids=input_ids, position_ids=positions, logits_to_keep=keep, use_cache=False,
+                            paged_metadata=metadata)
+        logits: torch.Tensor = output.logits[0].float()
+        return logits
+
+    def mark_ready(self, seconds: float) -> None:
+        """Warm-up is over: from now on a compilation is a recompilation."""
+        self.compile_seconds = seconds
+        self._compilations_at_ready = compilations_so_far()
+
+
+def warm_up_steps(block_size: int, num_blocks: int) -> list[tuple[str, list[ScheduledSequence]]]:
+    """Steps of every kind a server meets, over blocks of a still empty pool: one decode (its own graph),
+    then decodes beside a fresh prompt and a chunk that continues a cached context, then a lone prompt
+    chunk (one kept row). The last must find the graph the second compiled."""
+    blocks = iter(range(10**9))
+
+    def table(tokens: int) -> tuple[int, ...]:
+        return tuple(next(blocks) % num_blocks for _ in range(-(-tokens // block_size)))
+
+    def sequence(name: str, start: int, num_tokens: int) -> ScheduledSequence:
+        return ScheduledSequence(f"warm-up-{name}", [1] * num_tokens, start, table(start + num_tokens), True,
+                                 SamplingParams())
+
+    return [
+        ("one decode", [sequence("a", block_size + 2, 1)]),
+        ("decodes and prompt chunks", [sequence("b", block_size + 2, 1), sequence("c", 3, 1),
+                                       sequence("d", 0, 2 * block_size + 3), sequence("e", block_size, 5)]),
+        ("one prompt chunk", [sequence("f", 0, block_size + 1)]),
+    ]
+
+
+def warm_up(forward: PackedForward, compute: Callable[[list[ScheduledSequence]], object], block_size: int,
+            num_blocks: int) -> None:
+    """Compile every graph serving will use before the first request, logging each one's time."""
+    if not forward.is_compiled:
+        return
+    steps = warm_up_steps(block_size, num_blocks)
+    logger.info("compiling the forward (mode %s): %d step shapes; a first start takes minutes, a start that "
+                "finds the artifacts on disk far less", forward.mode, len(steps))
+    started = time.perf_counter()
+    for index, (label, sequences) in enumerate(steps, start=1):
+        step_started = time.perf_counter()
+        compute(sequences)
+        logger.info("compiled %s (%d of %d) in %.1f s", label, index, len(steps), time.perf_counter() - step_started)
+    forward.mark_ready(time.perf_counter() - started)
+    logger.info("the forward is compiled: %d graphs in %.1f s", compilations_so_far(), forward.compile_seconds)

@@ -23,8 +23,8 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-memory-fraction", type=float,
                         help="the KV pool's share of the memory free after loading, without --kv-cache-bytes")
     parser.add_argument("--block-size", type=int)
-    parser.add_argument("--compile", dest="compile_mode", choices=["none", "default", "max"],
-                        help="the forward as eager code (none) or compiled by inductor (default; max: frozen "
+    parser.add_argument("--compile", dest="compile_mode", choices=["eager", "default", "max"],
+                        help="the forward run eagerly or compiled by inductor (default; max: frozen "
                              "weights and autotuned GEMMs); compiled at start-up, cached on disk")
 
 

@@ -30,14 +30,14 @@ class Settings(BaseModel):
     # Model and device.
     model: str = "smollm2-135m"
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    # auto: bfloat16 on CUDA and on a CPU with native bfloat16 math (AMX or AVX512-BF16), else float32
+    # auto: bfloat16 on CUDA and on a CPU with AMX, else float32 (see gpu.models.cpu_has_native_bfloat16)
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     # Weight-only quantization of every linear layer, the LM head included (see gpu/quantization.py).
     quantization: Literal["none", "int8", "int4"] = "none"
     seed: int = 0
-    # The runner's forward: none (eager), default (inductor), max (inductor with frozen weights and
+    # The runner's forward: eager, default (inductor), max (inductor with frozen weights and
     # max-autotune). Compiled at start-up; the artifacts are kept under compile_cache_dir (gpu/compiled.py).
-    compile_mode: Literal["none", "default", "max"] = "max"
+    compile_mode: Literal["eager", "default", "max"] = "max"
     compile_cache_dir: str = "./data/compile_cache"
     model_cache_dir: str = "./data/models"
     max_model_len: int | None = Field(default=None, ge=16)

@@ -62,14 +62,15 @@ def resolve_device(device: str) -> torch.device:
 
 
 def cpu_has_native_bfloat16(cpuinfo: str = "/proc/cpuinfo") -> bool:
-    """AMX or AVX512-BF16: bfloat16 matrix products run in hardware. Without them torch emulates
-    bfloat16 and float32 is faster."""
+    """AMX: bfloat16 matrix products run on the tile units. AVX512-BF16 alone is not enough: on such a
+    Xeon the compiled SmolLM2 step took 53.7 ms in bfloat16 against 42.4 in float32 at one sequence, and
+    was no faster at 8 or 64 (83.3 against 85.1 ms, 263 against 232). Without either, torch emulates it."""
     try:
         with open(cpuinfo) as handle:
             flags = next((line.split(":", 1)[1].split() for line in handle if line.startswith("flags")), [])
     except OSError:
         return False
-    return "amx_bf16" in flags or "avx512_bf16" in flags
+    return "amx_bf16" in flags
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:

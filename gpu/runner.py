@@ -84,7 +84,7 @@ class ModelRunner:
         warm_up(self.forward, self.compute_logits, budget.block_size, self.cache.num_device_blocks)
 
     def _packed_forward(self, compilation: CompileConfig) -> PackedForward:
-        if compilation.mode != "none" and compilation.cache_dir is not None:
+        if compilation.mode != "eager" and compilation.cache_dir is not None:
             folder = artifact_folder(compilation.cache_dir, self.loaded.name, self.loaded.dtype,
                                      self.loaded.quantization, compilation.mode, self.device)
             use_artifact_folder(folder)

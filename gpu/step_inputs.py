@@ -84,8 +84,9 @@ def _decode_layout(decodes: Sequence[ScheduledSequence], tables: torch.Tensor, c
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """Whole blocks of every decode's context, padded to the longest, and the bias that hides the padding."""
     device, block_size = tables.device, cache.shape.block_size
-    if not decodes:
-        return torch.empty(0, dtype=torch.long, device=device), torch.zeros((0, 1, 1, 0), device=device)
+    if not decodes:  # one block wide all the same: a zero there gives the bias other strides than a
+        # non-empty one has, and a compiled graph may guard on strides
+        return torch.empty(0, dtype=torch.long, device=device), torch.zeros((0, 1, 1, block_size), device=device)
     lengths = torch.tensor([s.start_position + 1 for s in decodes], device=device)
     num_blocks = -(-int(lengths.max()) // block_size)
     rows = context_rows(tables[:, :num_blocks], cache.shape.num_kv_heads).reshape(-1)

@@ -6,7 +6,8 @@
 #   LLAMA_SERVER=/path/llama-server F16_GGUF=/path/f16.gguf Q4_GGUF=/path/q4_1.gguf \
 #     loadtest/serve_comparison.sh OUT_DIR [CONCURRENCY] [FAIRLANE_MODES]
 #
-# FAIRLANE_MODES is a comma list of dtype:quantization, default "float32:none,float32:int8,float32:int4".
+# FAIRLANE_MODES is a comma list of dtype:quantization[:compile], default
+# "float32:none,float32:int8,float32:int4" (each with fairlane's default --compile).
 set -euo pipefail
 out=${1:?usage: serve_comparison.sh OUT_DIR [CONCURRENCY] [FAIRLANE_MODES]}
 concurrency=${2:-1,8,32,64}
@@ -46,9 +47,10 @@ if [ -n "${LLAMA_SERVER:-}" ]; then
   done
 fi
 for mode in ${modes//,/ }; do
-  label="fairlane-${mode/:/-}"
-  run_one "$label" "$bin/fairlane" serve --port "$port" --dtype "${mode%%:*}" --quantization "${mode#*:}" \
-    --max-num-seqs 64
+  IFS=: read -r dtype quantization compile <<<"$mode"
+  label="fairlane-${mode//:/-}"
+  run_one "$label" "$bin/fairlane" serve --port "$port" --dtype "$dtype" --quantization "$quantization" \
+    ${compile:+--compile "$compile"} --max-num-seqs 64
   reports+=("$out/$label.json")
 done
 "$bin/fairlane" bench serve --compare "${reports[@]}" | tee "$out/compare.txt"

@@ -16,7 +16,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 
 # The suite runs the forward eagerly: compiling at every server start would cost minutes. The servers
 # and commands the tests start read this too; tests/gpu/test_compiled.py runs the compiled forward.
-os.environ.setdefault("FAIRLANE_COMPILE_MODE", "none")
+os.environ.setdefault("FAIRLANE_COMPILE_MODE", "eager")
 
 # The test models are small: extra intra-op threads buy little and, next to the engine's worker
 # thread, the event loop and any server a test starts, their spin-waits cost far more than they give.

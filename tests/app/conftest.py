@@ -36,7 +36,7 @@ INSTANT = "instant"
 # Small on purpose: 64 blocks of 16 tokens for builtin:tiny, so KV accounting is easy to watch.
 TINY_SETTINGS: dict[str, Any] = {"model": TINY, "device": "cpu", "kv_cache_bytes": 4 * MiB,
                                  "swap_space_bytes": 1 * MiB, "shutdown_grace_s": 2.0, "port": 0,
-                                 "compile_mode": "none"}
+                                 "compile_mode": "eager"}
 INSTANT_SETTINGS: dict[str, Any] = {"model": INSTANT, "kv_cache_bytes": 1 * MiB, "block_size": 16,
                                     "max_body_bytes": 64 * 1024, "shutdown_grace_s": 2.0, "port": 0}
 

@@ -98,6 +98,7 @@ def test_no_compilation_after_start_up_whatever_the_step(compiled_runner: ModelR
         if sequences:
             compiled_runner.compute_logits(decodes_first(sequences))
     assert compiled_runner.forward.compile_seconds > 0
+    assert compiled_runner.forward.num_graphs == 1  # one graph for every step
     assert compiled_runner.forward.recompilations == 0
 
 
@@ -161,5 +162,5 @@ def test_a_second_start_loads_the_artifacts(compiled_runner: ModelRunner, artifa
                               text=True, timeout=600, cwd=Path(__file__).resolve().parents[2])
     assert finished.returncode == 0, finished.stderr[-2000:]
     counters = json.loads(finished.stdout.strip().splitlines()[-1])
-    assert counters.get("fxgraph_cache_hit", 0) >= 2, counters
+    assert counters.get("fxgraph_cache_hit", 0) >= 1, counters
     assert counters.get("fxgraph_cache_miss", 0) == 0, counters

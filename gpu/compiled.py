@@ -167,16 +167,16 @@ def warm_up_steps(block_size: int, num_blocks: int) -> list[tuple[str, list[Sche
 
 def warm_up(forward: PackedForward, compute: Callable[[list[ScheduledSequence]], object], block_size: int,
             num_blocks: int) -> None:
-    """Compile every graph serving will use before the first request, logging each one's time."""
+    """Compile the graph serving will use before the first request, logging each warm-up step's time."""
     if not forward.is_compiled:
         return
     steps = warm_up_steps(block_size, num_blocks)
-    logger.info("compiling the forward (mode %s): %d step shapes; a first start takes minutes, a start that "
-                "finds the artifacts on disk far less", forward.mode, len(steps))
+    logger.info("compiling the forward (mode %s) over %d warm-up steps: minutes on a first start, less on one "
+                "that finds the artifacts on disk", forward.mode, len(steps))
     started = time.perf_counter()
     for index, (label, sequences) in enumerate(steps, start=1):
         step_started = time.perf_counter()
         compute(sequences)
-        logger.info("compiled %s (%d of %d) in %.1f s", label, index, len(steps), time.perf_counter() - step_started)
+        logger.info("warm-up step %d of %d (%s): %.1f s", index, len(steps), label, time.perf_counter() - step_started)
     forward.mark_ready(time.perf_counter() - started)
     logger.info("the forward is compiled: %d graphs in %.1f s", forward.num_graphs, forward.compile_seconds)

@@ -120,7 +120,7 @@ class EngineTimes:
 
 class Engine:
     def __init__(self, scheduler: Scheduler, executor: Executor, *, max_queued_requests: int = 1024,
-                 stall_after_s: float = 60.0) -> None:
+                 stall_after_s: float = 60.0, step_thread: ThreadPoolExecutor | None = None) -> None:
         self.scheduler = scheduler
         self.executor = executor
         self.max_queued_requests = max_queued_requests
@@ -138,7 +138,9 @@ class Engine:
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()  # set while no request is in flight
         self._idle.set()
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fairlane-step")
+        # The one thread that runs the executor's steps; the engine owns it from here on. A real runner
+        # should have been built on it too (see app.engine_factory.build_engine).
+        self._pool = step_thread or ThreadPoolExecutor(max_workers=1, thread_name_prefix="fairlane-step")
         self._task: asyncio.Task[None] | None = None
         self._accepting = True
         self.observers: list[EngineObserver] = []

@@ -59,7 +59,11 @@ def build_engine(settings: Settings, loaded: LoadedModel | None = None,
     # belong to the thread that launched them: a forward from a second thread after the first had
     # run the model measured 2-2.5x slower on 2 cores (SmolLM2 one-token step: 97 against 37 ms).
     step_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fairlane-step")
-    runner = step_thread.submit(lambda: build_runner(settings, loaded or load_model_for(settings))).result()
+    try:
+        runner = step_thread.submit(lambda: build_runner(settings, loaded or load_model_for(settings))).result()
+    except BaseException:
+        step_thread.shutdown()
+        raise
     scheduler = Scheduler(scheduler_config_of(settings), runner.geometry, tenants)
     return Engine(scheduler, runner, max_queued_requests=settings.max_queued_requests,
                   stall_after_s=settings.engine_stall_s, step_thread=step_thread), runner

@@ -7,7 +7,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
 
-.PHONY: install serve test lint bench browser prometheus
+.PHONY: install serve test lint bench browser prometheus compiler
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -20,13 +20,17 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-serve: install
+serve: install compiler
 	$(BIN)/fairlane serve
 
 lint: install
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 	$(BIN)/lint-imports
+
+# The compiled forward (gpu/compiled.py) has inductor build C++ kernels with the system's g++.
+compiler:
+	command -v g++ >/dev/null || (apt-get update -q && apt-get install -y -q g++)
 
 # The dashboard test drives Debian's chromium; only the test suite needs it.
 browser:
@@ -36,7 +40,7 @@ browser:
 prometheus:
 	command -v prometheus >/dev/null || (apt-get update -q && apt-get install -y -q --no-install-recommends prometheus)
 
-test: lint browser prometheus
+test: lint compiler browser prometheus
 	$(BIN)/pytest -q
 
 bench: install

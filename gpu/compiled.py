@@ -20,6 +20,7 @@ start loads them instead of compiling.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import logging
 import os
 import platform
@@ -148,7 +149,7 @@ def warm_up_steps(block_size: int, num_blocks: int) -> list[tuple[str, list[Sche
     """Steps of every kind a server meets, over blocks of a still empty pool: one decode, then decodes
     beside a fresh prompt and a chunk that continues a cached context, then a lone prompt chunk. The
     first compiles the graph; the others check that it serves them (a compilation there is logged)."""
-    blocks = iter(range(10**9))
+    blocks = itertools.count()
 
     def table(tokens: int) -> tuple[int, ...]:
         return tuple(next(blocks) % num_blocks for _ in range(-(-tokens // block_size)))

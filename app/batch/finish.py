@@ -103,9 +103,14 @@ def insert_file_row(db: sqlite3.Connection, file_id: str, tenant: str, filename:
     return cursor.lastrowid
 
 
+# Characters that JSON leaves raw but that many readers take as line ends (Python's `str.splitlines`,
+# JavaScript's older parsers): escaped, so a generated text holding one never splits a JSONL line.
+_LINE_BREAKS_JSON_LEAVES_RAW = str.maketrans({"\u0085": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def dump_line(line: dict[str, Any]) -> str:
     """One line of an output or error file, as stored: compact JSON, so files are plain concatenations."""
-    return orjson.dumps(line).decode()
+    return orjson.dumps(line).decode().translate(_LINE_BREAKS_JSON_LEAVES_RAW)
 
 
 def _write_unfinished(db: sqlite3.Connection, batch_id: str, code: str, message: str) -> None:

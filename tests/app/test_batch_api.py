@@ -77,7 +77,7 @@ def wait_for_status(client: openai.OpenAI, batch_id: str, statuses: tuple[str, .
 def output_lines(client: openai.OpenAI, file_id: str | None) -> list[dict[str, Any]]:
     if file_id is None:
         return []
-    return [json.loads(line) for line in client.files.content(file_id).text.splitlines()]
+    return [json.loads(line) for line in client.files.content(file_id).text.split("\n") if line]
 
 
 def test_batch_runs_every_item_through_the_official_client(server: ServerThread) -> None:

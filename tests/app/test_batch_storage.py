@@ -239,3 +239,12 @@ async def test_a_crash_while_finishing_leaves_no_file_and_a_retry_makes_exactly_
             b'{"custom_id":"c0","line":0}', b'{"custom_id":"c2","line":2}']
     finally:
         await store.close()
+
+
+def test_a_generated_text_with_unicode_line_breaks_stays_on_one_line() -> None:
+    """A model may generate U+0085, U+2028 or U+2029, which JSON leaves raw but `str.splitlines` and other
+    readers take as line ends: the stored line escapes them, and reads back to the same text."""
+    text = "a\u0085b\u2028c\u2029d\ne"
+    line = finish.dump_line({"custom_id": "item-0", "response": {"body": {"text": text}}})
+    assert len(line.splitlines()) == 1
+    assert json.loads(line)["response"]["body"]["text"] == text

@@ -228,7 +228,7 @@ def batch_line(number: int) -> str:
 def file_lines(client: openai.OpenAI, file_id: str | None) -> list[dict[str, Any]]:
     if file_id is None:
         return []
-    return [json.loads(line) for line in client.files.content(file_id).text.splitlines()]
+    return [json.loads(line) for line in client.files.content(file_id).text.split("\n") if line]
 
 
 def test_a_batch_ends_each_item_exactly_once_across_a_replica_restart(cluster: Cluster) -> None:

@@ -7,7 +7,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
 
-.PHONY: install serve test lint bench browser prometheus compiler
+.PHONY: install serve test lint bench browser prometheus compiler gpu-check
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -45,3 +45,16 @@ test: lint compiler browser prometheus
 
 bench: install
 	$(BIN)/fairlane bench engine --model builtin:small --requests 64 --seed 0 --out data/bench_engine.json
+
+# On a machine with CUDA: the runner's tests on the GPU (the model fixture and every server a test
+# starts run there), the engine benchmark against Hugging Face in bfloat16, and the serve benchmark
+# of the default model at 1/8/32/64 streams, each mode of --compile. JSON and logs land in
+# data/gpu-check/; their tables go in docs/benchmarks/ (serve.md, engine.md).
+GPU_OUT := data/gpu-check
+gpu-check: install compiler
+	$(BIN)/python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'gpu-check: no CUDA device')"
+	mkdir -p $(GPU_OUT)
+	FAIRLANE_TEST_DEVICE=cuda $(BIN)/pytest -q tests/gpu tests/app/test_openai_client.py --junitxml=$(GPU_OUT)/tests.xml
+	$(BIN)/fairlane bench engine --model smollm2-135m --device cuda --dtype bfloat16 --requests 64 --seed 0 \
+		--out $(GPU_OUT)/bench_engine.json
+	DEVICE=cuda bash loadtest/serve_comparison.sh $(GPU_OUT)/serve 1,8,32,64 bfloat16:none:eager,bfloat16:none:max

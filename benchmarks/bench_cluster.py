@@ -29,7 +29,7 @@ from typing import Any
 import httpx
 import orjson
 
-from app.flags import add_model_flags, settings_from_args
+from app.process.flags import add_model_flags, settings_from_args
 from config.settings import Settings
 from loadtest.bench_output import format_table, write_report
 from loadtest.stats import jain_index, percentile_or_nan

@@ -26,8 +26,8 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from app.engine_factory import build_engine, load_model_for
-from app.flags import add_model_flags, settings_from_args
+from app.process.engine_factory import build_engine, load_model_for
+from app.process.flags import add_model_flags, settings_from_args
 from benchmarks.common import (
     BenchRequest,
     MiB,

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.fake_executors import FakeExecutor, LinearStepCost
-from gpu.plan import CacheGeometry
+from contract.plan import CacheGeometry
 from loadtest.bench_output import format_table, write_report
 from loadtest.stats import jain_index, percentile_or_nan
 from scheduling.request import Request, RequestId

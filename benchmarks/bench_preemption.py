@@ -35,8 +35,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from app.engine_factory import build_engine, load_model_for
-from app.flags import MODEL_FLAG_KEYS, add_model_flags
+from app.process.engine_factory import build_engine, load_model_for
+from app.process.flags import MODEL_FLAG_KEYS, add_model_flags
 from benchmarks.common import BenchRequest
 from config.settings import MiB, Settings, load_settings
 from loadtest.bench_output import format_table, write_report

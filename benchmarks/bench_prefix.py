@@ -16,8 +16,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from app.engine_factory import build_engine
-from app.flags import add_model_flags, settings_from_args
+from app.process.engine_factory import build_engine
+from app.process.flags import add_model_flags, settings_from_args
 from config.settings import Settings
 from loadtest.bench_output import format_table, write_report
 from loadtest.stats import percentile_or_nan as percentile

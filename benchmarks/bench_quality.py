@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from app.engine_factory import build_engine, load_model_for
-from app.flags import add_model_flags, settings_from_args
+from app.process.engine_factory import build_engine, load_model_for
+from app.process.flags import add_model_flags, settings_from_args
 from config.settings import Settings
 from gpu.models import LoadedModel
 from loadtest.bench_output import format_table, write_report

@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from benchmarks.fake_executors import FakeExecutor
-from gpu.plan import CacheGeometry, ScheduledSequence
+from contract.plan import CacheGeometry, ScheduledSequence
 from loadtest.bench_output import format_table, write_report
 from loadtest.stats import percentile_or_nan
 from scheduling.gc_pacing import PacedCollector, paced_collection

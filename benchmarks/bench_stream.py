@@ -27,9 +27,9 @@ from typing import Any
 import httpx
 import psutil
 
-from app.context import ServingContext
-from app.engine_factory import scheduler_config_of
-from app.server import DrainingServer, uvicorn_config
+from app.process.engine_factory import scheduler_config_of
+from app.process.server import DrainingServer, uvicorn_config
+from app.serving.context import ServingContext
 from benchmarks.fake_executors import InstantExecutor, instant_geometry
 from config.settings import Settings, load_settings
 from gpu.tokenizer import ByteTokenizer

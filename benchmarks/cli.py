@@ -1,7 +1,7 @@
 """The `fairlane` command as installed: app's commands (serve, generate, tenants) and `fairlane bench ...`.
 
 The entry point lives here, in the top layer, because this is the one place that may import both app
-and the benchmarks: app never imports benchmarks, so `app.cli.main` takes the bench command as one
+and the benchmarks: app never imports benchmarks, so `app.process.cli.main` takes the bench command as one
 more registrar instead of looking for it.
 """
 
@@ -11,8 +11,8 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from app.cli import SubcommandRegistrar
-from app.cli import main as app_main
+from app.process.cli import SubcommandRegistrar
+from app.process.cli import main as app_main
 from benchmarks import (
     bench_cluster,
     bench_engine,

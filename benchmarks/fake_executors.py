@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from config.settings import Settings
-from gpu.plan import CacheGeometry, ScheduledSequence, StepPlan, StepResult
+from contract.plan import CacheGeometry, ScheduledSequence, StepPlan, StepResult, StructuredOutput
 from scheduling.executor import Executor
 
 # ---- cost models ---------------------------------------------------------------------------------
@@ -101,6 +101,9 @@ class FakeExecutor:
     def token_for(self, request_id: str, position: int) -> int:
         return fake_token(request_id, position, self.vocab_size)
 
+    def check_structured(self, structured: StructuredOutput) -> None:
+        """A fake samples no grammar: it accepts every one."""
+
     def execute(self, plan: StepPlan) -> StepResult:
         if self.keep_plans:
             self.plans.append(plan)
@@ -150,6 +153,9 @@ class InstantExecutor:
     def geometry(self) -> CacheGeometry:
         return self._geometry
 
+    def check_structured(self, structured: StructuredOutput) -> None:
+        """A fake samples no grammar: it accepts every one."""
+
     def execute(self, plan: StepPlan) -> StepResult:
         for request_id in plan.finished_request_ids:
             self._num_sampled.pop(request_id, None)
@@ -195,6 +201,9 @@ class RecordingExecutor:
     def geometry(self) -> CacheGeometry:
         return self.inner.geometry
 
+    def check_structured(self, structured: StructuredOutput) -> None:
+        self.inner.check_structured(structured)
+
     def execute(self, plan: StepPlan) -> StepResult:
         self.plans.append(plan)
         return self.inner.execute(plan)
@@ -211,6 +220,9 @@ class FailingExecutor:
     @property
     def geometry(self) -> CacheGeometry:
         return self.inner.geometry
+
+    def check_structured(self, structured: StructuredOutput) -> None:
+        """A fake samples no grammar: it accepts every one."""
 
     def execute(self, plan: StepPlan) -> StepResult:
         self.num_calls += 1

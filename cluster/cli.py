@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import argparse
 
-from app.flags import settings_from_args
-from app.server import SERVE_FLAG_KEYS, run_serve
+from app.process.flags import settings_from_args
+from app.process.server import SERVE_FLAG_KEYS, run_serve
 
 CLUSTER_FLAG_KEYS = ("replicas", "ray_address", "cluster_router")
 ROUTERS = ("prefix_load", "pow2", "prefix_affinity")

@@ -12,14 +12,13 @@ from typing import Any
 from ray import serve
 from starlette.types import ASGIApp
 
-from app.context import ServingContext
-from app.http_limits import BodyTimeoutMiddleware
-from app.server import create_app
+from app.plumbing.http_limits import BodyTimeoutMiddleware
+from app.process.server import create_app
+from app.serving.context import ServingContext
 from cluster.remote_engine import ClusterEngine, RemoteExecutor
 from cluster.wire import ReplicaDescription
 from config.settings import Settings
-from gpu.plan import StructuredOutput
-from scheduling.scheduler import Scheduler
+from contract.plan import StructuredOutput
 
 # A replica report older than this many sync intervals means the replica is gone (or stuck).
 REPORT_MAX_AGE_INTERVALS = 30
@@ -33,9 +32,7 @@ class OpenAIIngress:
         def check_structured(structured: StructuredOutput) -> None:  # run in a worker thread by the routes
             replicas.check_structured.remote(structured).result()
 
-        # Never stepped: it answers the admission checks (context length, KV room) and holds the tenants.
-        scheduler = Scheduler(description.scheduler_config, description.geometry, description.tenants)
-        engine = ClusterEngine(scheduler, RemoteExecutor(description.geometry, check_structured),
+        engine = ClusterEngine(RemoteExecutor(description.geometry, check_structured), description.tenants,
                                replicas.options(stream=True, method_name="generate"), board,
                                max_queued_requests=settings.max_queued_requests,
                                stall_after_s=settings.engine_stall_s,

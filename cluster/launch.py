@@ -23,6 +23,7 @@ from ray._private import ray_constants
 from ray.serve.config import RequestRouterConfig
 
 from cluster.ingress import OpenAIIngress
+from cluster.placement import gpu_share
 from cluster.replica import EngineReplica
 from cluster.service import ClusterBoard
 from config.settings import Settings
@@ -95,10 +96,10 @@ def router_config(settings: Settings) -> RequestRouterConfig:
 def build_application(settings: Settings) -> Any:
     """The Serve application: the ingress bound to the replicas and the board."""
     board = ray.remote(ClusterBoard).options(num_cpus=0).remote()
-    has_gpus = ray.cluster_resources().get("GPU", 0) > 0 and settings.device != "cpu"
+    gpus = gpu_share(ray.cluster_resources().get("GPU", 0), settings.replicas, settings.device)
     replicas = serve.deployment(
         name="engine", num_replicas=settings.replicas,
-        ray_actor_options={"num_cpus": 0, "num_gpus": 1 if has_gpus else 0},
+        ray_actor_options={"num_cpus": 0, "num_gpus": gpus},
         max_ongoing_requests=settings.max_queued_requests, health_check_period_s=HEALTH_CHECK_PERIOD_S,
         graceful_shutdown_timeout_s=GRACEFUL_SHUTDOWN_S,
         request_router_config=router_config(settings),

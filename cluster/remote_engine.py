@@ -18,11 +18,11 @@ from typing import Any
 
 from cluster.wire import ReplicaCall, ReplicaReport, replica_call
 from cluster.wire import ended_event as ended
-from gpu.plan import CacheGeometry, StepPlan, StepResult, StructuredOutput
-from scheduling.engine import Engine, EngineHealth, RequestStream
+from contract.plan import CacheGeometry, StepPlan, StepResult, StructuredOutput
+from scheduling.engine import EngineFront, EngineHealth, RequestStream
 from scheduling.request import Request, RequestId, RequestStatus, TokenEvent, finish_reason
-from scheduling.scheduler import Scheduler
-from scheduling.snapshot import SchedulerSnapshot
+from scheduling.snapshot import SchedulerSnapshot, idle_snapshot
+from tenancy.tenants import TenantRegistry
 
 logger = logging.getLogger(__name__)
 
@@ -66,10 +66,16 @@ class BoardView:
     read_at: float | None = None  # time.monotonic() of the last successful read
 
 
-class ClusterEngine(Engine):
-    def __init__(self, scheduler: Scheduler, executor: RemoteExecutor, generate: Any, board: Any, *,
+class ClusterEngine(EngineFront):
+    """The front of an engine whose steps run on the replicas: no scheduler here. It checks requests
+    against the replicas' geometry and tenants, and its snapshot is an idle one: the replicas' own
+    come from the board (`replica_snapshots`)."""
+
+    def __init__(self, executor: RemoteExecutor, tenants: TenantRegistry, generate: Any, board: Any, *,
                  max_queued_requests: int, stall_after_s: float, report_max_age_s: float) -> None:
-        super().__init__(scheduler, executor, max_queued_requests=max_queued_requests, stall_after_s=stall_after_s)
+        super().__init__(executor, executor.geometry, tenants, max_queued_requests=max_queued_requests,
+                         stall_after_s=stall_after_s)
+        self._idle_snapshot = idle_snapshot(executor.geometry)
         self._generate = generate  # the replicas' handle, streaming, method `generate`
         self._board = board
         self._report_max_age_s = report_max_age_s
@@ -78,13 +84,12 @@ class ClusterEngine(Engine):
         self._watch_task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
-        await super().start()
         if self._watch_task is None:
             self._watch_task = asyncio.create_task(self._watch_board(), name="fairlane-board-watch")
 
     def submit(self, request: Request) -> RequestStream:
         stream = self.track(request)
-        run = RemoteRun(replica_call(request, self.executor.geometry.block_size))
+        run = RemoteRun(replica_call(request, self.geometry.block_size))
         self._runs[request.request_id] = run
         run.task = asyncio.create_task(self._run_remote(run), name=f"fairlane-remote-{request.request_id}")
         return stream
@@ -167,4 +172,8 @@ class ClusterEngine(Engine):
             with contextlib.suppress(asyncio.CancelledError):
                 await self._watch_task
             self._watch_task = None
-        await super().shutdown(message)
+        self._accepting = False
+
+    @property
+    def snapshot(self) -> SchedulerSnapshot:
+        return self._idle_snapshot

@@ -19,10 +19,10 @@ from typing import Any
 
 from ray import serve
 
-from cluster.service import ServiceMeter, fold_service
+from cluster.service import ServiceMeter
 from cluster.wire import ReplicaCall, ReplicaDescription, ReplicaReport, ended_event
 from config.settings import Settings
-from gpu.plan import StructuredOutput
+from contract.plan import StructuredOutput
 from scheduling.engine import EngineOverloaded, EngineStopped
 from scheduling.request import TokenEvent
 from scheduling.scheduler import AdmissionError
@@ -34,7 +34,7 @@ class EngineReplica:
     async def __init__(self, settings: Settings, board: Any) -> None:  # type: ignore[misc]  # Serve awaits it
         self._settings = settings
         self._board = board  # the ClusterBoard actor's handle
-        from app.engine_factory import build_engine  # imports torch: in the replicas' processes only
+        from app.process.engine_factory import build_engine  # imports torch: in the replicas' processes only
 
         self.engine, runner = build_engine(settings)
         self._runner = runner
@@ -46,7 +46,8 @@ class EngineReplica:
     async def generate(self, call: ReplicaCall) -> AsyncGenerator[list[TokenEvent], None]:
         """The request's events, in batches: whatever is ready when the ingress reads goes as one item."""
         try:
-            stream = self.engine.submit(replace(call.request, arrival_time=time.monotonic()))
+            stream = self.engine.submit(replace(call.request, arrival_time=time.monotonic(),
+                                                prompt_block_hashes=call.block_hashes))  # hashed once
         except (EngineOverloaded, EngineStopped, AdmissionError) as exc:
             yield [ended_event(call.request, None, "error", f"replica {self.replica_id} refused the request: {exc}")]
             return
@@ -57,9 +58,8 @@ class EngineReplica:
             stream.close()  # a no-op after the last event; an abort when the ingress cancelled the call
 
     def describe(self) -> ReplicaDescription:
-        scheduler = self.engine.scheduler
         return ReplicaDescription(self.replica_id, self._runner.loaded.tokenizer, self._runner.geometry,
-                                  scheduler.config, scheduler.tenants)
+                                  self.engine.tenants)
 
     def check_structured(self, structured: StructuredOutput) -> None:
         """Raises ValueError for a grammar the runner cannot compile (the ingress answers 400)."""
@@ -99,7 +99,7 @@ class EngineReplica:
             self._meter.give_back(service)
             raise
         if self._settings.share_vtc:
-            fold_service(self.engine.scheduler, others)
+            self.engine.fold_service(others)  # applied by the engine's task, as every change to its scheduler
 
     async def __del__(self) -> None:
         sync_task: asyncio.Task[None] | None = getattr(self, "_sync_task", None)  # None when __init__ failed

@@ -13,7 +13,6 @@ import time
 from collections import defaultdict
 
 from cluster.wire import ReplicaReport, ServiceByTenant
-from scheduling.request import PriorityClass
 from scheduling.scheduler import Scheduler
 
 
@@ -47,15 +46,6 @@ class ServiceMeter:
             reported = self._reported[name]
             for tenant_id, amount in tenants.items():
                 reported[tenant_id] -= amount
-
-
-def fold_service(scheduler: Scheduler, service: ServiceByTenant) -> None:
-    """Charge the others' service to this replica's counters (on the engine's event loop, between
-    steps: the worker thread running a step never touches the counters)."""
-    for name, tenants in service.items():
-        vtc = scheduler.vtc[PriorityClass(name)]
-        for tenant_id, amount in tenants.items():
-            vtc.charge_service(tenant_id, amount)
 
 
 class ServiceLedger:

@@ -6,11 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpu.plan import CacheGeometry
+from contract.plan import CacheGeometry
 from gpu.tokenizer import Tokenizer
-from scheduling.prefix_cache import extend_block_hashes
+from scheduling.prefix_cache import prompt_block_hashes
 from scheduling.request import Request, TokenEvent
-from scheduling.scheduler import SchedulerConfig
 from scheduling.snapshot import SchedulerSnapshot
 from tenancy.tenants import TenantRegistry
 
@@ -33,20 +32,17 @@ class ReplicaCall:
 
 
 def replica_call(request: Request, block_size: int) -> ReplicaCall:
-    num_blocks = request.num_prompt_tokens // block_size
-    hashes = extend_block_hashes([], request.prompt_token_ids, block_size, request.cache_salt, num_blocks)
-    return ReplicaCall(request, tuple(hashes))
+    return ReplicaCall(request, prompt_block_hashes(request.prompt_token_ids, block_size, request.cache_salt))
 
 
 @dataclass(slots=True, frozen=True)
 class ReplicaDescription:
     """What the ingress needs from a replica before it serves: it loads no model (nor torch) of its own,
-    and checks admission with the replicas' own geometry, scheduler settings and tenants."""
+    and checks admission with the replicas' own geometry and tenants."""
 
     replica_id: str
     tokenizer: Tokenizer
     geometry: CacheGeometry
-    scheduler_config: SchedulerConfig
     tenants: TenantRegistry
 
 

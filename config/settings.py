@@ -92,7 +92,7 @@ class Settings(BaseModel):
 
     # Observability.
     # fairlane: every metric family under the `fairlane:` prefix; vllm: each again under `vllm:`, so
-    # dashboards written for vLLM work unedited (app/metrics.py lists what matches vLLM's semantics).
+    # dashboards written for vLLM work unedited (app/observability/metrics.py lists what matches vLLM's semantics).
     metrics_names: Literal["fairlane", "vllm"] = "fairlane"
     # OTLP over HTTP (protobuf), e.g. http://127.0.0.1:4318/v1/traces: one span tree per request.
     # None: no tracing, and opentelemetry is never imported (it is the optional `tracing` extra).

@@ -152,6 +152,8 @@ def write_and_prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     _write(k_pool, write_rows, key[0])
     _write(v_pool, write_rows, value[0])
     out = query.new_empty(query.shape[2] - num_decodes, query.shape[1], query.shape[3])
+    if not prefill_layout.shape[0]:  # a decode-only step: no list to make, in each layer
+        return out
     for chunk in prefill_layout.tolist():
         span = slice(chunk[QUERY_START] - num_decodes, chunk[QUERY_START] - num_decodes + chunk[NUM_QUERIES])
         out[span] = _prefill_attention(chunk, query, key, value, k_pool, v_pool, prefill_rows, scaling)

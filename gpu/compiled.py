@@ -35,8 +35,8 @@ from typing import Any, Literal
 
 import torch
 
+from contract.plan import SamplingParams, ScheduledSequence
 from gpu.attention import PagedMetadata
-from gpu.plan import SamplingParams, ScheduledSequence
 from gpu.step_inputs import StepInputs
 
 logger = logging.getLogger(__name__)

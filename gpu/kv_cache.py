@@ -79,5 +79,10 @@ class PagedKVCache:
             return
         cpu_ids = torch.tensor([c for c, _ in pairs])
         device_ids = torch.tensor([d for _, d in pairs], device=self.device)
-        moved = self.cpu_pool.index_select(2, cpu_ids).to(self.device, non_blocking=True)
-        self.device_pool.index_copy_(2, device_ids, moved)
+        # Gathered into pinned memory on CUDA, so the copy up is one asynchronous DMA; from a pageable
+        # gather it would be staged through a bounce buffer, synchronously. (torch's pinned allocator
+        # caches the staging buffer and keeps it until the copy using it is done.)
+        staging_shape = (*self.cpu_pool.shape[:2], len(pairs), *self.cpu_pool.shape[3:])
+        staging = torch.empty(staging_shape, dtype=self.cpu_pool.dtype, pin_memory=self.device.type == "cuda")
+        torch.index_select(self.cpu_pool, 2, cpu_ids, out=staging)
+        self.device_pool.index_copy_(2, device_ids, staging.to(self.device, non_blocking=True))

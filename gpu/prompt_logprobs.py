@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gpu.plan import ScheduledSequence, TokenLogprobs
+from contract.plan import ScheduledSequence, TokenLogprobs
 
 
 @dataclass(slots=True, frozen=True)

@@ -10,11 +10,11 @@ from dataclasses import dataclass
 import psutil
 import torch
 
+from contract.plan import CacheGeometry, ScheduledSequence, StepPlan, StepResult, StructuredOutput
 from gpu.attention import ATTENTION_NAME
 from gpu.compiled import CompileConfig, PackedForward, artifact_folder, use_artifact_folder, warm_up
 from gpu.kv_cache import KVShape, PagedKVCache
 from gpu.models import LoadedModel
-from gpu.plan import CacheGeometry, ScheduledSequence, StepPlan, StepResult, StructuredOutput
 from gpu.prompt_logprobs import prompt_logprobs, prompt_rows
 from gpu.sampler import Sampler
 from gpu.step_inputs import build_step_inputs, decodes_first
@@ -117,6 +117,8 @@ class ModelRunner:
         extra = prompt_rows(ordered)
         recompilations = self.forward.recompilations
         logits = self.compute_logits(ordered, extra.rows)
+        if self.device.type == "cuda":  # else the time would be the kernels' launch, not their run
+            torch.cuda.synchronize(self.device)
         result.forward_seconds = time.perf_counter() - forward_started
         result.recompilations = self.forward.recompilations - recompilations
         if not extra.is_empty:

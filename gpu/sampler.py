@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 import torch
 
-from gpu.plan import SamplingParams, ScheduledSequence, TokenLogprobs
+from contract.plan import SamplingParams, ScheduledSequence, TokenLogprobs
 from gpu.structured import TokenMasks
 
 History = Sequence[int]
@@ -211,8 +211,9 @@ def filtered_probs(logits: torch.Tensor, params: list[SamplingParams], device: t
 
 def _keep_top_k(scaled: torch.Tensor, top_k: list[int]) -> torch.Tensor:
     vocab = scaled.shape[-1]
-    k = torch.tensor([t if 0 < t < vocab else vocab for t in top_k], device=scaled.device)
-    top = torch.topk(scaled, int(k.max()), dim=-1).values
+    widths = [t if 0 < t < vocab else vocab for t in top_k]
+    k = torch.tensor(widths, device=scaled.device)
+    top = torch.topk(scaled, max(widths), dim=-1).values  # the widest from the list: no wait on the device
     kth = top.gather(1, (k - 1)[:, None])
     return scaled.masked_fill(scaled < kth, float("-inf"))
 

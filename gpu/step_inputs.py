@@ -10,13 +10,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from itertools import chain
+from itertools import accumulate, chain
 
 import torch
 
+from contract.plan import ScheduledSequence
 from gpu.attention import FRESH_PROMPT, PagedMetadata
 from gpu.kv_cache import PagedKVCache
-from gpu.plan import ScheduledSequence
 
 
 @dataclass(slots=True)
@@ -47,7 +47,9 @@ def build_step_inputs(sequences: Sequence[ScheduledSequence], cache: PagedKVCach
     query_lens = torch.tensor([len(s.token_ids) for s in sequences], device=device)
     starts = torch.tensor([s.start_position for s in sequences], device=device)
     ends = torch.cumsum(query_lens, 0)
-    total = int(ends[-1])
+    # Sizes and indices that Python needs come from the plan: reading them off `ends` would wait on the device.
+    host_ends = list(accumulate(len(s.token_ids) for s in sequences))
+    total = host_ends[-1]
     seq_of_token = torch.repeat_interleave(torch.arange(len(sequences), device=device), query_lens, output_size=total)
     positions = starts[seq_of_token] + torch.arange(total, device=device) - (ends - query_lens)[seq_of_token]
     tables = padded_block_tables(sequences, device)
@@ -56,9 +58,10 @@ def build_step_inputs(sequences: Sequence[ScheduledSequence], cache: PagedKVCach
     write_rows = context_rows(blocks, cache.shape.num_kv_heads) * block_size + positions % block_size
     input_ids = torch.tensor(list(chain.from_iterable(s.token_ids for s in sequences)), dtype=torch.long,
                              device=device)
-    sampled = torch.tensor([s.needs_sample for s in sequences], dtype=torch.bool, device=device)
+    sampled = torch.tensor([end - 1 for end, s in zip(host_ends, sequences, strict=True) if s.needs_sample],
+                           dtype=torch.long, device=device)
     metadata = _paged_metadata(sequences, cache, tables, write_rows.reshape(-1))
-    return StepInputs(input_ids[None], positions[None], (ends - 1)[sampled], metadata)
+    return StepInputs(input_ids[None], positions[None], sampled, metadata)
 
 
 def _paged_metadata(sequences: Sequence[ScheduledSequence], cache: PagedKVCache, tables: torch.Tensor,
@@ -88,7 +91,7 @@ def _decode_layout(decodes: Sequence[ScheduledSequence], tables: torch.Tensor, c
         # non-empty one has, and a compiled graph may guard on strides
         return torch.empty(0, dtype=torch.long, device=device), torch.zeros((0, 1, 1, block_size), device=device)
     lengths = torch.tensor([s.start_position + 1 for s in decodes], device=device)
-    num_blocks = -(-int(lengths.max()) // block_size)
+    num_blocks = -(-max(s.start_position + 1 for s in decodes) // block_size)  # from the plan, not the device
     rows = context_rows(tables[:, :num_blocks], cache.shape.num_kv_heads).reshape(-1)
     keys = torch.arange(num_blocks * block_size, device=device)
     hidden = (keys[None, :] >= lengths[:, None])[:, None, None, :]

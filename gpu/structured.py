@@ -39,7 +39,7 @@ import llguidance
 import llguidance.hf
 import torch
 
-from gpu.plan import ScheduledSequence, StructuredOutput
+from contract.plan import ScheduledSequence, StructuredOutput
 from gpu.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
 if TYPE_CHECKING:

@@ -7,7 +7,8 @@
 #     loadtest/serve_comparison.sh OUT_DIR [CONCURRENCY] [FAIRLANE_MODES]
 #
 # FAIRLANE_MODES is a comma list of dtype:quantization[:compile], default
-# "float32:none,float32:int8,float32:int4" (each with fairlane's default --compile).
+# "float32:none,float32:int8,float32:int4" (each with fairlane's default --compile). DEVICE, when set,
+# is passed to fairlane as --device.
 set -euo pipefail
 out=${1:?usage: serve_comparison.sh OUT_DIR [CONCURRENCY] [FAIRLANE_MODES]}
 concurrency=${2:-1,8,32,64}
@@ -50,7 +51,7 @@ for mode in ${modes//,/ }; do
   IFS=: read -r dtype quantization compile <<<"$mode"
   label="fairlane-${mode//:/-}"
   run_one "$label" "$bin/fairlane" serve --port "$port" --dtype "$dtype" --quantization "$quantization" \
-    ${compile:+--compile "$compile"} --max-num-seqs 64
+    ${compile:+--compile "$compile"} ${DEVICE:+--device "$DEVICE"} --max-num-seqs 64
   reports+=("$out/$label.json")
 done
 "$bin/fairlane" bench serve --compare "${reports[@]}" | tee "$out/compare.txt"

@@ -21,12 +21,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tenancy.tenants import hash_api_key
+from tenancy.tenants import Tenant, TenantsFileError, check_unique_ids, hash_api_key, parse_tenant
 
 INTERACTIVE = "interactive"
 BATCH = "batch"  # a chat request sent with service_tier "flex"
 BATCH_API = "batch-api"  # an item of a Batch API job
-KNOWN_TENANT_FIELDS = {"id", "api_key", "weight"}
 
 
 class LoadTenantsError(ValueError):
@@ -49,7 +48,9 @@ ANONYMOUS = LoadTenant("default", None)
 
 
 def load_tenants(path: str | Path) -> tuple[LoadTenant, ...]:
-    """Read the load tool's tenants file; any problem raises LoadTenantsError naming the entry."""
+    """Read the load tool's tenants file; any problem raises LoadTenantsError naming the entry. It is the
+    server's format with each key in the clear (`api_key`, which the client sends) where the server's
+    holds its hash: every other field is read by the server's own parser, so both accept the same."""
     try:
         document = tomllib.loads(Path(path).read_text(encoding="utf-8"))
     except (OSError, tomllib.TOMLDecodeError) as exc:
@@ -57,10 +58,12 @@ def load_tenants(path: str | Path) -> tuple[LoadTenant, ...]:
     entries = document.get("tenants")
     if not isinstance(entries, list) or not entries:
         raise LoadTenantsError(f"{path}: expected one or more [[tenants]] entries")
-    tenants = tuple(_parse_tenant(i, entry) for i, entry in enumerate(entries))
-    if len({t.tenant_id for t in tenants}) != len(tenants):
-        raise LoadTenantsError(f"{path}: a tenant id appears twice")
-    return tenants
+    try:
+        tenants = [_parse_tenant(i, entry) for i, entry in enumerate(entries)]
+        check_unique_ids(tenant for tenant, _ in tenants)
+    except TenantsFileError as exc:
+        raise LoadTenantsError(f"{path}: {exc}") from None
+    return tuple(LoadTenant(tenant.tenant_id, api_key, tenant.weight) for tenant, api_key in tenants)
 
 
 def load_admin_key(path: str | Path) -> str | None:
@@ -77,21 +80,18 @@ def load_admin_key(path: str | Path) -> str | None:
     return key
 
 
-def _parse_tenant(index: int, entry: Any) -> LoadTenant:
+def _parse_tenant(index: int, entry: Any) -> tuple[Tenant, str]:
+    """The entry as the server reads it (its key hashed), and its key."""
     where = f"tenants[{index}]"
     if not isinstance(entry, dict):
         raise LoadTenantsError(f"{where}: must be a table")
-    unknown = sorted(set(entry) - KNOWN_TENANT_FIELDS)
-    if unknown:
-        raise LoadTenantsError(f"{where}: unknown field '{unknown[0]}'")
-    tenant_id, api_key, weight = entry.get("id"), entry.get("api_key"), entry.get("weight", 1.0)
-    if not isinstance(tenant_id, str) or not tenant_id:
-        raise LoadTenantsError(f"{where}: 'id' must be a non-empty string")
+    if "api_key_hashes" in entry:
+        raise LoadTenantsError(f"{where}: the load tool needs each key in the clear: 'api_key', not 'api_key_hashes'")
+    api_key = entry.get("api_key")
     if not isinstance(api_key, str) or not api_key:
         raise LoadTenantsError(f"{where}: 'api_key' must be a non-empty string")
-    if isinstance(weight, bool) or not isinstance(weight, int | float) or not math.isfinite(weight) or weight <= 0:
-        raise LoadTenantsError(f"{where}: 'weight' must be a finite number > 0")
-    return LoadTenant(tenant_id, api_key, float(weight))
+    fields = {name: value for name, value in entry.items() if name != "api_key"}
+    return parse_tenant(index, {**fields, "api_key_hashes": [hash_api_key(api_key)]}), api_key
 
 
 @dataclass(slots=True, frozen=True)

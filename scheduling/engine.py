@@ -1,27 +1,30 @@
 """The engine: one asyncio task owns the scheduler and runs steps while there is work.
 
-HTTP handlers only call `submit()` and `abort()` and read their own stream. The forward runs in
+HTTP handlers only call `submit()` and `finish()` and read their own stream. The forward runs in
 one worker thread so the event loop stays free; an idle engine waits on an event and uses no CPU.
+`EngineFront` is what the app sees of any engine (the door, the streams, health); `Engine` runs the
+steps in this process, and a cluster's ingress implements the same front over its replicas.
 """
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import contextlib
 import logging
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from gpu.plan import StepPlan, StepResult
+from contract.plan import CacheGeometry, StepPlan, StepResult
 from scheduling.executor import Executor
 from scheduling.gc_pacing import PacedCollector
 from scheduling.prefix_cache import prompt_block_hashes
 from scheduling.request import Request, RequestId, RequestStatus, TokenEvent
-from scheduling.scheduler import Scheduler
+from scheduling.scheduler import Scheduler, check_admissible
 from scheduling.snapshot import SchedulerSnapshot, StepCostStats
 from tenancy.tenants import TenantRegistry
 
@@ -75,7 +78,7 @@ class EngineObserver(Protocol):
 class RequestStream:
     """The token events of one request. Closing it before the end aborts the request."""
 
-    def __init__(self, engine: Engine, request: Request) -> None:
+    def __init__(self, engine: EngineFront, request: Request) -> None:
         self.request = request
         self._engine = engine
         self._events: asyncio.Queue[TokenEvent] = asyncio.Queue()
@@ -118,51 +121,102 @@ class EngineTimes:
     swap_seconds: float = 0.0
 
 
-class Engine:
-    def __init__(self, scheduler: Scheduler, executor: Executor, *, max_queued_requests: int = 1024,
-                 stall_after_s: float = 60.0, step_thread: ThreadPoolExecutor | None = None) -> None:
-        self.scheduler = scheduler
-        self.executor = executor
+class EngineFront(abc.ABC):
+    """What every engine the app serves through does alike, whoever runs its steps: the checks at the
+    door (failure, shutdown, the queue's weighted shares, context length and KV room), one stream
+    per request, the observers, health, and the end of a failed loop. The app talks to this; `Engine`
+    runs the steps here, and a cluster's ingress (cluster/remote_engine.py) has replicas run them."""
+
+    def __init__(self, executor: Executor, geometry: CacheGeometry, tenants: TenantRegistry, *,
+                 max_queued_requests: int = 1024, stall_after_s: float = 60.0) -> None:
+        self.executor = executor  # what the app may ask of the runner besides steps (`check_structured`)
+        self.geometry = geometry  # of the KV memory requests are checked against (the scheduler's)
         self.max_queued_requests = max_queued_requests
         self.stall_after_s = stall_after_s
         self.failure: str | None = None  # set once when the loop dies; the engine then refuses everything
         self.on_failure: list[Callable[[str], None]] = []  # told once, on the event loop, when the loop dies
+        self.observers: list[EngineObserver] = []
+        self._tenants = tenants
         self._last_progress = time.monotonic()  # the end of the last step, or when work arrived at an idle engine
         self._in_flight_by_tenant: Counter[str] = Counter()
-        self._snapshot = scheduler.snapshot()
-        self.times = EngineTimes()
-        self.collector = PacedCollector()
         self._streams: dict[RequestId, RequestStream] = {}
-        self._incoming: list[Request] = []
-        self._to_finish: list[tuple[RequestId, RequestStatus]] = []
-        self._wake = asyncio.Event()
         self._idle = asyncio.Event()  # set while no request is in flight
         self._idle.set()
-        # The one thread that runs the executor's steps; the engine owns it from here on. A real runner
-        # should have been built on it too (see app.engine_factory.build_engine).
-        self._pool = step_thread or ThreadPoolExecutor(max_workers=1, thread_name_prefix="fairlane-step")
-        self._task: asyncio.Task[None] | None = None
         self._accepting = True
-        self.observers: list[EngineObserver] = []
 
-    # ---- the public surface ---------------------------------------------------------------
+    # ---- what each kind of engine does its own way ------------------------------------------
 
-    async def start(self) -> None:
-        if self._task is None:
-            self._task = asyncio.create_task(self._run(), name="fairlane-engine")
+    @abc.abstractmethod
+    async def start(self) -> None: ...
 
+    @abc.abstractmethod
     def submit(self, request: Request) -> RequestStream:
-        """Queue a request; its events arrive on the returned stream. Raises when full or stopping.
-        The prompt's block hashes are made here, on the caller's side of the queue (in the server, an
-        HTTP handler, while the runner's thread computes a step): a step then never spends its time
-        hashing the prompts it admits, which for a long prompt would hold every other stream's token."""
-        stream = self.track(request)
-        if self.scheduler.config.enable_prefix_caching:
-            block_size = self.scheduler.geometry.block_size
-            request.prompt_block_hashes = prompt_block_hashes(request.prompt_token_ids, block_size, request.cache_salt)
-        self._incoming.append(request)
-        self._wake.set()
+        """Queue a request; its events arrive on the returned stream. Raises when full or stopping."""
+
+    @abc.abstractmethod
+    def finish(self, request_id: RequestId, status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
+        """Abort (or stop) a request."""
+
+    @abc.abstractmethod
+    async def shutdown(self, message: str = "the server is shutting down") -> None:
+        """End every remaining request with an error, then stop."""
+
+    @property
+    @abc.abstractmethod
+    def snapshot(self) -> SchedulerSnapshot:
+        """The scheduler as /stats, /metrics and the dashboard may see it."""
+
+    @abc.abstractmethod
+    def stats(self) -> dict[str, Any]:
+        """/stats."""
+
+    # ---- the door and the streams -------------------------------------------------------------
+
+    def track(self, request: Request) -> RequestStream:
+        """Check and register a request: its stream, its place in the queue's shares, the observers.
+        Who runs it then (this process's scheduler, or a replica) is the subclass's `submit`; its
+        events come to the stream through `deliver`."""
+        if self.failure is not None:
+            raise EngineStopped(f"the engine has failed: {self.failure}")
+        if not self._accepting:
+            raise EngineStopped("the server is shutting down")
+        self._check_room(request.tenant_id)
+        check_admissible(self.geometry, request.num_prompt_tokens, request.max_tokens)
+        stream = RequestStream(self, request)
+        if not self._streams:
+            self._last_progress = time.monotonic()  # an idle engine has not stalled
+        self._streams[request.request_id] = stream
+        self._in_flight_by_tenant[request.tenant_id] += 1
+        self._idle.clear()
         return stream
+
+    def deliver(self, events: list[TokenEvent]) -> None:
+        """Events of tracked requests, to their streams and to the observers; events of requests no
+        longer tracked are dropped."""
+        now = time.monotonic()
+        for event in events:
+            stream = self._streams.get(event.request_id)
+            if stream is None:
+                continue
+            if event.is_final:
+                del self._streams[event.request_id]
+                self._in_flight_by_tenant[stream.request.tenant_id] -= 1
+                if not self._streams:
+                    self._idle.set()
+            stream.push(event)
+            self._observe(stream.request, event, now)
+
+    def _observe(self, request: Request, event: TokenEvent, now: float) -> None:
+        if event.new_token_ids and request.first_token_time is None:
+            request.first_token_time = now
+        for observer in self.observers:
+            try:
+                if event.new_token_ids:
+                    observer.on_tokens(request, event, now)
+                if event.is_final:
+                    observer.on_finished(request, event, now)
+            except Exception:  # a metrics or quota bug must not stop the engine for everyone
+                logger.exception("engine observer %s failed on %s", type(observer).__name__, request.request_id)
 
     def _check_room(self, tenant_id: str) -> None:
         """The queue is shared by weight, as the KV blocks are: while there is room anyone may use it
@@ -182,7 +236,7 @@ class Engine:
 
     def queue_share(self, tenant_id: str) -> float:
         """The tenant's weighted share of the queue among the tenants with requests in flight and itself."""
-        tenants = self.scheduler.tenants
+        tenants = self._tenants
         active = {t for t, n in self._in_flight_by_tenant.items() if n > 0} | {tenant_id}
         total_weight = sum(tenants.weight(t) for t in active)
         return self.max_queued_requests * tenants.weight(tenant_id) / total_weight
@@ -197,11 +251,6 @@ class Engine:
                                        f"with {len(self._streams)} requests in flight")
         return EngineHealth(True)
 
-    def finish(self, request_id: RequestId, status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
-        """Abort (or stop) a request; takes effect before the next step."""
-        self._to_finish.append((request_id, status))
-        self._wake.set()
-
     @property
     def num_unfinished(self) -> int:
         return len(self._streams)
@@ -215,22 +264,96 @@ class Engine:
             await asyncio.wait_for(self._idle.wait(), timeout)
         return not self._streams
 
+    @property
+    def tenants(self) -> TenantRegistry:
+        """The tenants the engine serves (configuration, not scheduler state)."""
+        return self._tenants
+
+    def _fail_loudly(self, reason: str) -> None:
+        """End every in-flight stream with an error without asking the scheduler, whose state may be
+        what broke."""
+        self.failure = reason
+        self._accepting = False
+        streams, self._streams = self._streams, {}
+        self._in_flight_by_tenant.clear()
+        for stream in streams.values():
+            request = stream.request
+            stream.push(TokenEvent(request.request_id, (), "error", request.num_prompt_tokens,
+                                   request.num_output_tokens, request.num_cached_tokens,
+                                   f"the engine failed: {reason}"))
+        self._idle.set()
+        for callback in self.on_failure:
+            try:
+                callback(reason)
+            except Exception:
+                logger.exception("an engine failure callback failed")
+
+
+
+class Engine(EngineFront):
+    """The engine of one process: its one asyncio task owns the scheduler and runs steps while there is
+    work; every change to the scheduler is a command that task applies."""
+
+    def __init__(self, scheduler: Scheduler, executor: Executor, *, max_queued_requests: int = 1024,
+                 stall_after_s: float = 60.0, step_thread: ThreadPoolExecutor | None = None) -> None:
+        super().__init__(executor, scheduler.geometry, scheduler.tenants, max_queued_requests=max_queued_requests,
+                         stall_after_s=stall_after_s)
+        self.scheduler = scheduler
+        self._snapshot = scheduler.snapshot()
+        # What the engine reads of the scheduler's configuration, once: after this only its task touches it.
+        self._hash_block_size = scheduler.geometry.block_size if scheduler.config.enable_prefix_caching else None
+        self.times = EngineTimes()
+        self.collector = PacedCollector()
+        self._incoming: list[Request] = []
+        self._to_finish: list[tuple[RequestId, RequestStatus]] = []
+        self._to_fold: list[Mapping[str, Mapping[str, float]]] = []
+        self._wake = asyncio.Event()
+        # The one thread that runs the executor's steps; the engine owns it from here on. A real runner
+        # should have been built on it too (see app.process.engine_factory.build_engine).
+        self._pool = step_thread or ThreadPoolExecutor(max_workers=1, thread_name_prefix="fairlane-step")
+        self._task: asyncio.Task[None] | None = None
+
+    # ---- the public surface ---------------------------------------------------------------
+
+    async def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name="fairlane-engine")
+
+    def submit(self, request: Request) -> RequestStream:
+        """Queue a request; its events arrive on the returned stream. Raises when full or stopping.
+        The prompt's block hashes are made here, on the caller's side of the queue (in the server, an
+        HTTP handler, while the runner's thread computes a step): a step then never spends its time
+        hashing the prompts it admits, which for a long prompt would hold every other stream's token."""
+        stream = self.track(request)
+        if self._hash_block_size is not None and not request.prompt_block_hashes:  # a cluster's ingress hashed it
+            request.prompt_block_hashes = prompt_block_hashes(request.prompt_token_ids, self._hash_block_size,
+                                                              request.cache_salt)
+        self._incoming.append(request)
+        self._wake.set()
+        return stream
+
+    def finish(self, request_id: RequestId, status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
+        """Abort (or stop) a request; takes effect before the next step."""
+        self._to_finish.append((request_id, status))
+        self._wake.set()
+
+    def fold_service(self, service: Mapping[str, Mapping[str, float]]) -> None:
+        """Service other replicas gave, per class name and tenant, for this engine's VTC counters
+        (`Scheduler.fold_service`); applied by the engine's task before its next step."""
+        self._to_fold.append(service)
+        self._wake.set()
+
     async def shutdown(self, message: str = "the server is shutting down") -> None:
         """End every remaining request with an error, then stop the loop."""
         self._accepting = False
         self._apply_commands()
-        self._dispatch(self.scheduler.fail_all(message))
+        self.deliver(self.scheduler.fail_all(message))
         self._snapshot = self.scheduler.snapshot()
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
         self._pool.shutdown(wait=True)
-
-    @property
-    def tenants(self) -> TenantRegistry:
-        """The tenants the engine serves (configuration, not scheduler state)."""
-        return self.scheduler.tenants
 
     @property
     def snapshot(self) -> SchedulerSnapshot:
@@ -300,33 +423,14 @@ class Engine:
             result = await computing
         except Exception as exc:  # a failed step must not strand the requests in it
             logger.exception("engine step failed")
-            self._dispatch(self.scheduler.fail_all(f"the engine failed: {type(exc).__name__}"))
+            self.deliver(self.scheduler.fail_all(f"the engine failed: {type(exc).__name__}"))
             self._snapshot = self.scheduler.snapshot()
             return
-        self._dispatch(self.scheduler.update(plan, result))
+        self.deliver(self.scheduler.update(plan, result))
         seconds = time.perf_counter() - started
         self.scheduler.observe_step_time(plan, seconds)
         self._snapshot = self.scheduler.snapshot()
         self._account(plan, result, seconds)
-
-    def _fail_loudly(self, reason: str) -> None:
-        """End every in-flight stream with an error without asking the scheduler, whose state may be
-        what broke."""
-        self.failure = reason
-        self._accepting = False
-        streams, self._streams = self._streams, {}
-        self._in_flight_by_tenant.clear()
-        for stream in streams.values():
-            request = stream.request
-            stream.push(TokenEvent(request.request_id, (), "error", request.num_prompt_tokens,
-                                   request.num_output_tokens, request.num_cached_tokens,
-                                   f"the engine failed: {reason}"))
-        self._idle.set()
-        for callback in self.on_failure:
-            try:
-                callback(reason)
-            except Exception:
-                logger.exception("an engine failure callback failed")
 
     def _apply_commands(self) -> None:
         incoming, self._incoming = self._incoming, []
@@ -336,35 +440,12 @@ class Engine:
         for request_id, status in to_finish:
             event = self.scheduler.finish_request(request_id, status)
             if event is not None:
-                self._dispatch([event])
-        if incoming or to_finish:
+                self.deliver([event])
+        to_fold, self._to_fold = self._to_fold, []
+        for service in to_fold:
+            self.scheduler.fold_service(service)
+        if incoming or to_finish or to_fold:
             self._snapshot = self.scheduler.snapshot()
-
-    def _dispatch(self, events: list[TokenEvent]) -> None:
-        now = time.monotonic()
-        for event in events:
-            stream = self._streams.get(event.request_id)
-            if stream is None:
-                continue
-            if event.is_final:
-                del self._streams[event.request_id]
-                self._in_flight_by_tenant[stream.request.tenant_id] -= 1
-                if not self._streams:
-                    self._idle.set()
-            stream.push(event)
-            self._observe(stream.request, event, now)
-
-    def _observe(self, request: Request, event: TokenEvent, now: float) -> None:
-        if event.new_token_ids and request.first_token_time is None:
-            request.first_token_time = now
-        for observer in self.observers:
-            try:
-                if event.new_token_ids:
-                    observer.on_tokens(request, event, now)
-                if event.is_final:
-                    observer.on_finished(request, event, now)
-            except Exception:  # a metrics or quota bug must not stop the engine for everyone
-                logger.exception("engine observer %s failed on %s", type(observer).__name__, request.request_id)
 
     def _account(self, plan: StepPlan, result: StepResult, seconds: float) -> None:
         self._last_progress = time.monotonic()
@@ -373,29 +454,3 @@ class Engine:
         self.times.forward_seconds += result.forward_seconds
         self.times.recompilations += result.recompilations
         self.times.swap_seconds += result.swap_seconds
-
-    # ---- requests whose steps run on another engine (a cluster replica, see cluster/) -------
-
-    def track(self, request: Request) -> RequestStream:
-        """Check and register a request without queueing it for this engine's scheduler: `submit` then
-        queues it; on a cluster's ingress another engine runs its steps, and its events come back
-        through `deliver`. The checks (failure, shutdown, queue share, context length) and the
-        observers stay this engine's."""
-        if self.failure is not None:
-            raise EngineStopped(f"the engine has failed: {self.failure}")
-        if not self._accepting:
-            raise EngineStopped("the server is shutting down")
-        self._check_room(request.tenant_id)
-        self.scheduler.check_admissible(request.num_prompt_tokens, request.max_tokens)
-        stream = RequestStream(self, request)
-        if not self._streams:
-            self._last_progress = time.monotonic()  # an idle engine has not stalled
-        self._streams[request.request_id] = stream
-        self._in_flight_by_tenant[request.tenant_id] += 1
-        self._idle.clear()
-        return stream
-
-    def deliver(self, events: list[TokenEvent]) -> None:
-        """Events of tracked requests, as the engine running them sent them: to their streams and to
-        the observers, as this engine's own steps would; events of requests no longer tracked are dropped."""
-        self._dispatch(events)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from gpu.plan import CacheGeometry, StepPlan, StepResult
+from contract.plan import CacheGeometry, StepPlan, StepResult, StructuredOutput
 
 
 class Executor(Protocol):
@@ -14,3 +14,8 @@ class Executor(Protocol):
     def geometry(self) -> CacheGeometry: ...
 
     def execute(self, plan: StepPlan) -> StepResult: ...
+
+    def check_structured(self, structured: StructuredOutput) -> None:
+        """Raise ValueError when the grammar cannot constrain this model's output (the API answers 400
+        before submitting). May block: callers run it off the event loop."""
+        ...

@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import NamedTuple, NewType
 
-from gpu.plan import SamplingParams, TokenLogprobs
+from contract.plan import SamplingParams, TokenLogprobs
 from tenancy.tenants import DEFAULT_TENANT, TenantId
 
 RequestId = NewType("RequestId", str)

@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, fields
 from types import MappingProxyType
 
-from gpu.plan import CacheGeometry, StepPlan, StepResult, TokenLogprobs
+from contract.plan import CacheGeometry, StepPlan, StepResult, TokenLogprobs
 from scheduling.block_manager import KVBlockManager
 from scheduling.preemption import PreemptionEvent, PreemptionMode, choose_victim, victims_in_order
 from scheduling.queue import RequestQueue, create_request_queue
@@ -35,6 +35,19 @@ from tenancy.vtc import ServiceWeights, VirtualTokenCounter
 CLASSES = (PriorityClass.INTERACTIVE, PriorityClass.BATCH)
 COEFFICIENT_FIELDS = fields(CostCoefficients)
 
+
+
+def check_admissible(geometry: CacheGeometry, num_prompt_tokens: int, max_tokens: int) -> None:
+    """Raise AdmissionError for a request that could never finish on a runner of this geometry."""
+    total = num_prompt_tokens + max_tokens
+    if total > geometry.max_model_len:
+        raise AdmissionError(
+            f"prompt ({num_prompt_tokens} tokens) plus max_tokens ({max_tokens}) is {total} tokens, "
+            f"more than the model's context of {geometry.max_model_len} tokens")
+    if -(-total // geometry.block_size) > geometry.num_device_blocks:
+        raise AdmissionError(
+            f"prompt plus max_tokens ({total} tokens) needs more KV memory than the server has "
+            f"({geometry.num_device_blocks * geometry.block_size} tokens)")
 
 @dataclass(slots=True, frozen=True)
 class SchedulerConfig:
@@ -99,15 +112,15 @@ class Scheduler:
 
     def check_admissible(self, num_prompt_tokens: int, max_tokens: int) -> None:
         """Raise AdmissionError for a request that could never finish here."""
-        total = num_prompt_tokens + max_tokens
-        if total > self.geometry.max_model_len:
-            raise AdmissionError(
-                f"prompt ({num_prompt_tokens} tokens) plus max_tokens ({max_tokens}) is {total} tokens, "
-                f"more than the model's context of {self.geometry.max_model_len} tokens")
-        if -(-total // self.geometry.block_size) > self.geometry.num_device_blocks:
-            raise AdmissionError(
-                f"prompt plus max_tokens ({total} tokens) needs more KV memory than the server has "
-                f"({self.geometry.num_device_blocks * self.geometry.block_size} tokens)")
+        check_admissible(self.geometry, num_prompt_tokens, max_tokens)
+
+    def fold_service(self, service: Mapping[str, Mapping[str, float]]) -> None:
+        """Charge service given elsewhere (by another replica) to the tenants' counters, per class name:
+        a tenant's counter then counts all the service it got, wherever it ran."""
+        for name, tenants in service.items():
+            vtc = self.vtc[PriorityClass(name)]
+            for tenant_id, amount in tenants.items():
+                vtc.charge_service(tenant_id, amount)
 
     def add_request(self, request: Request) -> None:
         self.check_admissible(request.num_prompt_tokens, request.max_tokens)

@@ -11,6 +11,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
+from contract.plan import CacheGeometry
+from scheduling.request import PriorityClass
+
 
 @dataclass(slots=True, frozen=True)
 class ClassLoad:
@@ -73,3 +76,14 @@ class SchedulerSnapshot:
     @property
     def swapped(self) -> int:
         return sum(load.swapped for load in self.by_class.values())
+
+
+def idle_snapshot(geometry: CacheGeometry) -> SchedulerSnapshot:
+    """The snapshot of a scheduler that has run nothing: every class empty, every block free."""
+    classes = [priority.value for priority in PriorityClass]
+    return SchedulerSnapshot(
+        step=0, by_class=MappingProxyType({name: ClassLoad() for name in classes}),
+        queued_by_tenant=MappingProxyType({name: MappingProxyType({}) for name in classes}),
+        vtc=MappingProxyType({name: MappingProxyType({}) for name in classes}),
+        kv_blocks=BlockUse(0, geometry.num_device_blocks), cpu_blocks=BlockUse(0, geometry.num_cpu_blocks),
+        cached_blocks=0, prefix_queried_tokens=0, prefix_hit_tokens=0, bytes_per_block=geometry.bytes_per_block)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gpu.plan import ScheduledSequence, StepPlan
+from contract.plan import ScheduledSequence, StepPlan
 from scheduling.block_manager import KVBlockManager
 from scheduling.request import PriorityClass, Request
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from gpu.plan import StepPlan
+from contract.plan import StepPlan
 from scheduling.request import PriorityClass, Request
 from scheduling.step_builder import StepBuilder
 from scheduling.step_cost import ATTENTION_UNIT, StepCostModel, StepWork

@@ -195,12 +195,16 @@ def load_tenants(path: str | Path) -> TenantRegistry:
     if not isinstance(entries, list) or not entries:
         raise TenantsFileError(f"tenants file {path}: expected one or more [[tenants]] entries")
     tenants = [parse_tenant(i, data) for i, data in enumerate(entries)]
+    check_unique_ids(tenants)
+    return TenantRegistry(tenants, requires_auth=True, admin_key_hashes=_parse_admin(document.get("admin")))
+
+
+def check_unique_ids(tenants: Iterable[Tenant]) -> None:
     seen: set[str] = set()
     for i, tenant in enumerate(tenants):
         if tenant.tenant_id in seen:
             raise TenantsFileError(f"tenants[{i}]: 'id' '{tenant.tenant_id}' appears twice")
         seen.add(tenant.tenant_id)
-    return TenantRegistry(tenants, requires_auth=True, admin_key_hashes=_parse_admin(document.get("admin")))
 
 
 def _parse_admin(raw: Any) -> tuple[str, ...]:

@@ -17,6 +17,10 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 # The suite runs the forward eagerly: compiling at every server start would cost minutes. The servers
 # and commands the tests start read this too; tests/gpu/test_compiled.py runs the compiled forward.
 os.environ.setdefault("FAIRLANE_COMPILE_MODE", "eager")
+# Every server and command a test starts runs where the test's own models do: on the CPU, even on a
+# machine with a GPU (where `auto` would pick CUDA without a word). The GPU check (make gpu-check)
+# sets FAIRLANE_TEST_DEVICE=cuda to run them all on the GPU instead.
+TEST_DEVICE = os.environ.setdefault("FAIRLANE_DEVICE", os.environ.get("FAIRLANE_TEST_DEVICE", "cpu"))
 
 # The test models are small: extra intra-op threads buy little and, next to the engine's worker
 # thread, the event loop and any server a test starts, their spin-waits cost far more than they give.
@@ -40,9 +44,10 @@ def model_cache_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_model() -> LoadedModel:
-    """builtin:tiny as the runner gets it. Runners switch its attention to the paged path, so it is
-    never used as a reference."""
-    return load_model("builtin:tiny", device="cpu", dtype="float32")
+    """builtin:tiny as the runner gets it, on the test device. Runners switch its attention to the paged
+    path, so it is never used as a reference (`tiny_reference` stays on the CPU: tokens compare across
+    devices)."""
+    return load_model("builtin:tiny", device=TEST_DEVICE, dtype="float32")
 
 
 @pytest.fixture(scope="session")

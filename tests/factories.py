@@ -9,8 +9,8 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 
 from benchmarks.fake_executors import FakeExecutor, RecordingExecutor, is_decode
+from contract.plan import CacheGeometry, SamplingParams, StepPlan
 from gpu.models import LoadedModel
-from gpu.plan import CacheGeometry, SamplingParams, StepPlan
 from gpu.runner import ModelRunner, RunnerBudget, kv_shape_of
 from scheduling.engine import Engine, RequestStream
 from scheduling.executor import Executor

@@ -11,7 +11,7 @@ from __future__ import annotations
 import grimp
 import pytest
 
-PACKAGES = ("app", "scheduling", "tenancy", "gpu", "config", "loadtest", "benchmarks", "cluster")
+PACKAGES = ("app", "contract", "scheduling", "tenancy", "gpu", "config", "loadtest", "benchmarks", "cluster")
 
 
 @pytest.fixture(scope="module")
@@ -27,6 +27,6 @@ def test_no_module_imports_itself_back(graph: grimp.ImportGraph) -> None:
 
 def test_the_commands_are_in_the_graph(graph: grimp.ImportGraph) -> None:
     """The test above checks something: the modules the `fairlane` command is built from are there."""
-    assert {"app.cli", "app.server", "app.flags", "benchmarks.cli"} <= graph.modules
-    assert graph.direct_import_exists(importer="app.cli", imported="app.server")
-    assert graph.direct_import_exists(importer="benchmarks.cli", imported="app.cli")
+    assert {"app.process.cli", "app.process.server", "app.process.flags", "benchmarks.cli"} <= graph.modules
+    assert graph.direct_import_exists(importer="app.process.cli", imported="app.process.server")
+    assert graph.direct_import_exists(importer="benchmarks.cli", imported="app.process.cli")

@@ -6,10 +6,11 @@ from dataclasses import dataclass
 
 from starlette.routing import Route
 
-from app.admission import AdmissionGate
 from app.batch.routes import BatchRoutes
-from app.batch.runner import BatchRunner, ItemExecutor
+from app.batch.runner import BatchRunner
 from app.batch.store import BatchStore
+from app.serving.admission import AdmissionGate
+from app.serving.items import ItemExecutor
 from config.settings import Settings
 
 

@@ -15,13 +15,13 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from app.admission import AdmissionGate
-from app.asgi import read_body
 from app.batch.runner import BatchRunner
 from app.batch.service import ACTIVE_STATUSES, CANCELLABLE_STATUSES, fail_validation, new_batch, parse_input_file
 from app.batch.store import BatchStore, StoredFile
 from app.batch.uploads import parse_upload_form, storage_errors
-from app.errors import APIError, from_validation_error, json_response
+from app.plumbing.asgi import read_body
+from app.plumbing.errors import APIError, from_validation_error, json_response
+from app.serving.admission import AdmissionGate
 from scheduling.request import PriorityClass
 from tenancy.tenants import Tenant
 

@@ -17,26 +17,19 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any
 
 from app.batch import finish
 from app.batch.database import StorageFull
 from app.batch.service import RUNNER_STATUSES, output_line
 from app.batch.store import ActiveBatch, BatchStore, PendingItem
+from app.serving.items import ItemExecutor, RetryLater
 
 logger = logging.getLogger(__name__)
 RETRY_DELAY_S = 1.0
 SERVER_ERROR_BODY = {"error": {"message": "The server had an error while running this request.",
                                "type": "server_error", "param": None, "code": None}}
-
-# (tenant, url, body) -> (HTTP status, response body); runs one item like the HTTP endpoint would.
-ItemExecutor = Callable[[str, str, dict[str, Any]], Awaitable[tuple[int, str, dict[str, Any]]]]
-
-
-class RetryLater(Exception):
-    """An item the server cannot take now (overloaded, or draining): it stays pending for a later try."""
-
 
 class BatchRunner:
     def __init__(self, store: BatchStore, execute: ItemExecutor, *, max_in_flight: int = 32,

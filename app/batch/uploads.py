@@ -12,9 +12,9 @@ from starlette.datastructures import FormData
 from starlette.formparsers import MultiPartException, MultiPartParser
 from starlette.requests import Request
 
-from app.asgi import bounded_body
 from app.batch.database import StorageFull, is_disk_full
-from app.errors import APIError
+from app.plumbing.asgi import bounded_body
+from app.plumbing.errors import APIError
 
 MAX_FIELD_BYTES = 64 * 1024  # the form's text fields ('purpose'); the file part has the upload limit
 

@@ -17,13 +17,13 @@ from typing import Any
 
 import pytest
 
-from app.context import ServingContext
-from app.engine_factory import build_runner, scheduler_config_of, tenants_of
-from app.server import DrainingServer, uvicorn_config
+from app.process.engine_factory import build_runner, scheduler_config_of, tenants_of
+from app.process.server import DrainingServer, uvicorn_config
+from app.serving.context import ServingContext
 from benchmarks.fake_executors import InstantExecutor, instant_geometry
 from config.settings import Settings, load_settings
+from contract.plan import CacheGeometry, StepPlan, StepResult
 from gpu.models import LoadedModel
-from gpu.plan import CacheGeometry, StepPlan, StepResult
 from gpu.tokenizer import ByteTokenizer, Tokenizer
 from scheduling.engine import Engine, RequestStream
 from scheduling.executor import Executor

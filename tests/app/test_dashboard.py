@@ -11,8 +11,8 @@ import orjson
 import pytest
 from playwright.sync_api import Browser, Page, sync_playwright
 
-from app.dashboard import DashboardFeed
-from app.observability import Observability
+from app.observability.dashboard import DashboardFeed
+from app.observability.routes import Observability
 from benchmarks.fake_executors import FakeExecutor
 from scheduling.engine import Engine
 from scheduling.request import PriorityClass

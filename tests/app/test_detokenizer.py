@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from app.detokenizer import IncrementalDetokenizer
+from app.serving.detokenizer import IncrementalDetokenizer
 from gpu.tokenizer import ByteTokenizer
 
 TOKENIZER = ByteTokenizer()

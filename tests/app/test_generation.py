@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from app.generation import GenerationFailed, TextGeneration, TextPiece
+from app.serving.generation import GenerationFailed, TextGeneration, TextPiece
 from benchmarks.bench_stream import build_instant_engine
 from config.settings import load_settings
 from gpu.tokenizer import ByteTokenizer

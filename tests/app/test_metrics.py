@@ -18,8 +18,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from app.metrics import REJECTION_REASONS, RejectionReason, ServingMetrics, rejection_reason
-from app.observability import Observability
+from app.observability.metrics import REJECTION_REASONS, RejectionReason, ServingMetrics, rejection_reason
+from app.observability.routes import Observability
 from benchmarks.fake_executors import FakeExecutor
 from scheduling.engine import Engine
 from scheduling.request import PriorityClass, Request

@@ -8,9 +8,9 @@ import time
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from app.metric_names import TPOT_BUCKETS, MetricsOptions, token_count_buckets
-from app.metrics import BATCH_STATUSES, FINISH_REASONS, ServingMetrics
-from app.observability import Observability
+from app.observability.metric_names import TPOT_BUCKETS, MetricsOptions, token_count_buckets
+from app.observability.metrics import BATCH_STATUSES, FINISH_REASONS, ServingMetrics
+from app.observability.routes import Observability
 from benchmarks.fake_executors import FakeExecutor
 from scheduling.engine import Engine
 from scheduling.scheduler import Scheduler, SchedulerConfig

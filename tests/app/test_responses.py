@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from app.responses import ChatChunks, CompletionChunks, Envelope, StreamShape
+from app.openai.objects import ChatChunks, CompletionChunks, Envelope, StreamShape
 
 ENVELOPES = [Envelope("chatcmpl-1", 1700000000, "m", None), Envelope("x\"y", 1, "模型", "flex")]
 

@@ -14,8 +14,9 @@ from typing import Any
 import httpx
 import pytest
 
-from app.batch.runner import RetryLater
-from app.routes import OpenAIRoutes
+from app.openai.routes import OpenAIRoutes
+from app.serving.items import RetryLater
+from scheduling.engine import Engine
 from tests.app.conftest import ServerThread, instant_context, stepped_server, wait_for
 from tests.tenants_files import tenants_toml
 
@@ -89,6 +90,7 @@ def test_metrics_public_opens_metrics_alone(tenants_file: Path) -> None:
 def test_a_dead_engine_loop_fails_requests_loudly_and_stops_the_server() -> None:
     server = ServerThread(instant_context()).start()
     engine = server.context.engine
+    assert isinstance(engine, Engine)
     original = engine.scheduler.update
     calls = [0]
 

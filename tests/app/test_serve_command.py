@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from app.cli import build_parser, main
+from app.process.cli import build_parser, main
 
 
 def test_an_unknown_config_key_is_named_at_start_up(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -18,8 +18,8 @@ def test_an_unknown_config_key_is_named_at_start_up(tmp_path: Path, capsys: pyte
 
 
 def test_serve_flags_reach_the_settings() -> None:
-    from app.flags import settings_from_args
-    from app.server import SERVE_FLAG_KEYS
+    from app.process.flags import settings_from_args
+    from app.process.server import SERVE_FLAG_KEYS
 
     args = build_parser().parse_args(["serve", "--model", "builtin:tiny", "--port", "0", "--max-num-seqs", "8",
                                       "--shutdown-grace-s", "1.5", "--default-max-tokens", "32",
@@ -41,10 +41,10 @@ def test_a_malformed_tenants_file_is_named_at_start_up(tmp_path: Path, capsys: p
 
 
 def test_serving_without_a_tenants_file_warns(caplog: pytest.LogCaptureFixture) -> None:
-    from app.server import warn_if_unauthenticated
+    from app.process.server import warn_if_unauthenticated
     from config.settings import load_settings
 
-    with caplog.at_level("WARNING", logger="app.server"):
+    with caplog.at_level("WARNING", logger="app.process.server"):
         warn_if_unauthenticated(load_settings(environ={}, overrides={"tenants_file": "tenants.toml"}))
         assert not caplog.records
         warn_if_unauthenticated(load_settings(environ={}))

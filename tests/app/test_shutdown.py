@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
-from app.server import CLOSE_TIMEOUT_S
+from app.process.server import CLOSE_TIMEOUT_S
 from tests.app.conftest import ServerThread, SteppedExecutor, stepped_server, wait_for
 from tests.app.sse import DONE, finish_reasons, sse_frames, sse_payloads
 

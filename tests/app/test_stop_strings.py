@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from app.stop_strings import StopStringMatcher
+from app.serving.stop_strings import StopStringMatcher
 
 
 def run(stops: list[str], deltas: list[str]) -> tuple[list[str], bool]:

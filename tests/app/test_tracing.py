@@ -18,7 +18,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from app.tracing import RequestTracer
+from app.observability.tracing import RequestTracer
 from benchmarks.fake_executors import FakeExecutor
 from scheduling.engine import Engine
 from scheduling.request import PriorityClass, Request
@@ -192,8 +192,8 @@ def test_without_an_endpoint_opentelemetry_is_never_imported(tmp_path: Path) -> 
     The instant executor keeps torch out too, so the check takes a second."""
     code = f"""
 import sys
-from app.context import ServingContext
-from app.server import create_app
+from app.serving.context import ServingContext
+from app.process.server import create_app
 from benchmarks.fake_executors import InstantExecutor, instant_geometry
 from config.settings import load_settings
 from gpu.tokenizer import ByteTokenizer

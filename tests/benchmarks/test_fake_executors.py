@@ -11,7 +11,7 @@ from benchmarks.fake_executors import (
     fake_token,
     script_text,
 )
-from gpu.plan import SamplingParams, ScheduledSequence, StepPlan
+from contract.plan import SamplingParams, ScheduledSequence, StepPlan
 from scheduling.executor import Executor
 from tests.factories import make_geometry
 

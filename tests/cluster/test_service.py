@@ -8,9 +8,9 @@ from collections import defaultdict
 import pytest
 
 from benchmarks.fake_executors import FakeExecutor
-from cluster.service import ServiceLedger, ServiceMeter, fold_service
+from cluster.service import ServiceLedger, ServiceMeter
 from cluster.wire import ServiceByTenant
-from gpu.plan import CacheGeometry
+from contract.plan import CacheGeometry
 from scheduling.request import PriorityClass, RequestId, TokenEvent
 from scheduling.scheduler import Scheduler, SchedulerConfig
 from tenancy.tenants import Tenant, TenantId, TenantRegistry
@@ -75,7 +75,7 @@ def test_a_replica_publishes_exactly_what_its_counters_were_charged() -> None:
             requests.append(make_request(first.prompt_token_ids, 3, tenant_id="alice"))
             scheduler.add_request(requests[-1])
         if step == 2:
-            fold_service(scheduler, folded)
+            scheduler.fold_service(folded)
         service = meter.take()
         if step == 4:  # the exchange failed: this service goes out with the next report
             meter.give_back(service)
@@ -97,7 +97,7 @@ def test_a_replica_publishes_exactly_what_its_counters_were_charged() -> None:
 
 def test_folded_service_raises_the_tenants_counter() -> None:
     scheduler = Scheduler(SchedulerConfig(), GEOMETRY)
-    fold_service(scheduler, {"batch": {"alice": 6.0}})
+    scheduler.fold_service({"batch": {"alice": 6.0}})
 
     assert scheduler.vtc[PriorityClass.BATCH].get("alice") == 6.0
     assert scheduler.vtc[PriorityClass.INTERACTIVE].get("alice") == 0.0

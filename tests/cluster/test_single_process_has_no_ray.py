@@ -8,8 +8,8 @@ import sys
 
 PROBE = """
 import sys
-import app.server
-app.server.DrainingServer.run = lambda self, sockets=None: None
+import app.process.server
+app.process.server.DrainingServer.run = lambda self, sockets=None: None
 from benchmarks.cli import main
 assert main(["serve", "--model", "builtin:tiny", "--port", "0"]) == 0
 loaded = sorted(m for m in sys.modules if m == "ray" or m.startswith(("ray.", "cluster.")) and m != "cluster.cli")

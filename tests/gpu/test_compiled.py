@@ -19,9 +19,9 @@ import pytest
 import torch
 
 from benchmarks.fake_executors import RecordingExecutor
+from contract.plan import SamplingParams, ScheduledSequence
 from gpu.compiled import CompileConfig, CompileMode
 from gpu.models import LoadedModel
-from gpu.plan import SamplingParams, ScheduledSequence
 from gpu.runner import ModelRunner, RunnerBudget, kv_shape_of
 from gpu.step_inputs import decodes_first
 from scheduling.engine import Engine

@@ -7,8 +7,8 @@ from typing import Any
 
 import torch
 
+from contract.plan import StepPlan, StepResult
 from gpu.models import LoadedModel
-from gpu.plan import StepPlan, StepResult
 from gpu.runner import ModelRunner
 from gpu.step_inputs import decodes_first
 from scheduling.request import RequestId

@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 import torch
 
+from contract.plan import SamplingParams
 from gpu.models import LoadedModel
-from gpu.plan import SamplingParams
 from scheduling.scheduler import SchedulerConfig
 from tests.factories import assert_kv_all_free, collect, make_engine, make_request, running
 from tests.gpu.reference import byte_prompt, hf_logits

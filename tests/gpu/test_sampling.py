@@ -17,8 +17,8 @@ from transformers import (
     TopKLogitsWarper,
 )
 
+from contract.plan import SamplingParams, ScheduledSequence
 from gpu.models import LoadedModel
-from gpu.plan import SamplingParams, ScheduledSequence
 from gpu.sampler import Sampler, filtered_probs, processed_logits
 from scheduling.request import Request, TokenEvent
 from scheduling.scheduler import SchedulerConfig

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from contract.plan import SamplingParams, ScheduledSequence
 from gpu.kv_cache import KVShape, PagedKVCache
-from gpu.plan import SamplingParams, ScheduledSequence
 from gpu.step_inputs import build_step_inputs, decodes_first
 
 BLOCK_SIZE, KV_HEADS = 4, 2

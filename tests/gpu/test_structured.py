@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from benchmarks.fake_executors import RecordingExecutor
+from contract.plan import SamplingParams, ScheduledSequence, StructuredOutput
 from gpu.models import SMOLLM2_SPEC, LoadedModel, load_model
-from gpu.plan import SamplingParams, ScheduledSequence, StructuredOutput
 from gpu.runner import ModelRunner
 from gpu.structured import GrammarCache, GrammarMatchers, TokenMasks, check, mask_offsets
 from gpu.tokenizer import ByteTokenizer

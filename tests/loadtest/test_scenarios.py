@@ -219,8 +219,23 @@ def test_tenants_files_agree_on_ids_weights_and_keys(tenant_files: tuple[Path, P
         assert found is not None and (found.tenant_id, found.weight) == (tenant.tenant_id, tenant.weight)
     bad = tmp_path / "bad.toml"
     bad.write_text('[[tenants]]\nid = "x"\napi_key = "k"\nweight = 0\n')
-    with pytest.raises(LoadTenantsError, match=r"tenants\[0\]: 'weight'"):
+    with pytest.raises(LoadTenantsError, match=r"tenants\[0\] \(id 'x'\): 'weight' must be a finite number > 0"):
+        load_tenants(bad)  # the server's parser read it: its message, word for word
+
+
+def test_the_load_tool_reads_every_field_the_server_does(tmp_path: Path) -> None:
+    """One parser: a field of the server's tenants file is taken, a field it does not know is refused."""
+    good = tmp_path / "good.toml"
+    good.write_text('[[tenants]]\nid = "x"\napi_key = "k"\nclasses = ["batch"]\nmax_concurrent = 2\n')
+    assert load_tenants(good)[0].tenant_id == "x"
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[[tenants]]\nid = "x"\napi_key = "k"\nclasses = ["bulk"]\n')
+    with pytest.raises(LoadTenantsError, match=r"'classes' must be a non-empty list"):
         load_tenants(bad)
+    hashed = tmp_path / "hashed.toml"
+    hashed.write_text('[[tenants]]\nid = "x"\napi_key_hashes = []\n')
+    with pytest.raises(LoadTenantsError, match=r"needs each key in the clear"):
+        load_tenants(hashed)
 
 
 def test_skew_gives_the_first_tenant_ten_times_each_other_ones_rate() -> None:

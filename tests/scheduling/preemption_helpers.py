@@ -7,8 +7,8 @@ import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from contract.plan import CacheGeometry, StepPlan, StepResult, StructuredOutput
 from gpu.models import LoadedModel
-from gpu.plan import CacheGeometry, StepPlan, StepResult
 from scheduling.engine import Engine, RequestStream
 from scheduling.executor import Executor
 from scheduling.request import PriorityClass, Request, RequestId, TokenEvent
@@ -60,6 +60,9 @@ class WatchingExecutor:
     @property
     def geometry(self) -> CacheGeometry:
         return self.inner.geometry
+
+    def check_structured(self, structured: StructuredOutput) -> None:
+        self.inner.check_structured(structured)
 
     def execute(self, plan: StepPlan) -> StepResult:
         assert self.scheduler is not None

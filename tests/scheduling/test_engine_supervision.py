@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 
 from benchmarks.fake_executors import FakeExecutor
-from gpu.plan import StepPlan, StepResult
+from contract.plan import StepPlan, StepResult
 from scheduling.engine import Engine, EngineOverloaded, EngineStopped, TenantOverShare
-from scheduling.request import Request, TokenEvent
+from scheduling.request import PriorityClass, Request, TokenEvent
 from scheduling.scheduler import Scheduler, SchedulerConfig
 from tenancy.tenants import Tenant, TenantId, TenantRegistry
 from tests.factories import collect, make_fake_engine, make_geometry, make_request, running, wait_until
@@ -133,3 +133,15 @@ def test_weights_set_the_shares() -> None:
     with pytest.raises(TenantOverShare):
         engine.submit(make_request(4, 4, tenant_id="big"))
     assert engine.queue_share("big") == 6.0 and engine.queue_share("small") == 2.0
+
+
+async def test_service_folded_in_reaches_the_counters_through_the_engines_task() -> None:
+    """Another replica's service is a command: the caller never touches the scheduler, and the idle
+    engine's task applies it and publishes it in the snapshot."""
+    engine = make_fake_engine()
+    async with running(engine):
+        engine.fold_service({"batch": {"alice": 6.0}})
+        await wait_until(lambda: engine.snapshot.vtc["batch"].get("alice") == 6.0, what="the folded service")
+
+    assert engine.scheduler.vtc[PriorityClass.BATCH].get("alice") == 6.0
+    assert engine.scheduler.vtc[PriorityClass.INTERACTIVE].get("alice") == 0.0

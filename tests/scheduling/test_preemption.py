@@ -13,8 +13,8 @@ import asyncio
 import pytest
 
 from benchmarks.fake_executors import FakeExecutor
+from contract.plan import StepPlan
 from gpu.models import LoadedModel
-from gpu.plan import StepPlan
 from scheduling.preemption import PreemptionMode, choose_victim, victims_in_order
 from scheduling.request import PriorityClass, Request, RequestStatus
 from scheduling.scheduler import Scheduler, SchedulerConfig

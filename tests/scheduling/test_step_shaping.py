@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import pytest
 
 from benchmarks.fake_executors import FakeExecutor
-from gpu.plan import StepPlan
+from contract.plan import StepPlan
 from scheduling.request import PriorityClass, Request
 from scheduling.scheduler import Scheduler, SchedulerConfig
 from scheduling.step_cost import StepCostModel, StepWork

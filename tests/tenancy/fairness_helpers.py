@@ -13,7 +13,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from benchmarks.fake_executors import FakeExecutor, TokenCosts
-from gpu.plan import CacheGeometry, StepPlan
+from contract.plan import CacheGeometry, StepPlan
 from scheduling.request import PriorityClass, Request, RequestId
 from scheduling.scheduler import Scheduler, SchedulerConfig
 from tenancy.tenants import Tenant, TenantId, TenantLimits, TenantRegistry

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from app.cli import main
+from app.process.cli import main
 from tenancy.tenants import hash_api_key, load_tenants
 
 

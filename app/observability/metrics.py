@@ -28,7 +28,7 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from app.metric_names import (
+from app.observability.metric_names import (
     ITL_BUCKETS,
     PREFIX,
     REQUEST_BUCKETS,
@@ -38,7 +38,7 @@ from app.metric_names import (
     WithAliases,
     token_count_buckets,
 )
-from app.request_log import log_finished
+from app.observability.request_log import log_finished
 from scheduling.request import Request, TokenEvent
 from scheduling.scheduler import CLASSES
 from scheduling.snapshot import SchedulerSnapshot

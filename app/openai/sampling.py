@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import json
 
-from app.errors import APIError
-from app.responses import Choice
-from app.schemas import ChatCompletionBody, CompletionBody, GenerationBody
-from app.tools import forced_structure
-from gpu.plan import SamplingParams, StructuredOutput
+from app.openai.objects import Choice
+from app.openai.schemas import ChatCompletionBody, CompletionBody, GenerationBody
+from app.openai.tools import forced_structure
+from app.plumbing.errors import APIError
+from contract.plan import SamplingParams, StructuredOutput
 from gpu.tokenizer import Tokenizer
 
 # Below this temperature sampling is greedy: logits / temperature would overflow float32 near 0.

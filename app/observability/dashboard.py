@@ -18,13 +18,13 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from app.asgi import EventStreamResponse
-from app.metrics import (
+from app.observability.metrics import (
     ServingMetrics,
     queued_by_tenant,
     requests_by_class,
     vtc_counters,
 )
+from app.plumbing.asgi import EventStreamResponse
 from scheduling.snapshot import SchedulerSnapshot
 
 PREEMPTION_MODES = ("swap", "recompute")
@@ -33,7 +33,7 @@ RECONNECT_MS = 2000
 
 
 def _static(name: str) -> bytes:
-    return resources.files("app").joinpath("static", name).read_bytes()
+    return resources.files("app.observability").joinpath("static", name).read_bytes()
 
 
 @dataclass(slots=True, frozen=True)

@@ -11,8 +11,8 @@ import base64
 
 from starlette.requests import Request
 
-from app.errors import APIError
-from scheduling.engine import Engine
+from app.plumbing.errors import APIError
+from scheduling.engine import EngineFront
 from scheduling.request import PriorityClass, RequestId, TokenEvent
 from scheduling.request import Request as EngineRequest
 from tenancy.quotas import Admission, QuotaExceeded, TenantQuotas
@@ -41,7 +41,7 @@ def basic_password(request: Request) -> str | None:
 
 
 class AdmissionGate:
-    def __init__(self, tenants: TenantRegistry, engine: Engine) -> None:
+    def __init__(self, tenants: TenantRegistry, engine: EngineFront) -> None:
         self.tenants = tenants
         self.quotas = TenantQuotas(tenants)
         self._held: dict[str, Admission] = {}

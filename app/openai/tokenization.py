@@ -9,10 +9,10 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from app.asgi import read_body
-from app.context import ServingContext
-from app.errors import APIError, from_validation_error, json_response
-from app.schemas import DetokenizeBody, TokenizeBody
+from app.openai.schemas import DetokenizeBody, TokenizeBody
+from app.plumbing.asgi import read_body
+from app.plumbing.errors import APIError, from_validation_error, json_response
+from app.serving.context import ServingContext
 
 BodyT = TypeVar("BodyT", bound=BaseModel)
 

@@ -5,7 +5,7 @@ this server does not know is a 400 that names the field, never a silent guess. E
 OpenAI's chat completions and completions references, and vLLM's extra sampling fields, is known:
 at its default value it is always accepted; a value that asks for what this server cannot do
 (audio, web search, stored completions...) is a 400 that says so (`Unsupported`). Responses are
-not modelled here: they are built as plain dicts (see `app/responses.py`) because the token
+not modelled here: they are built as plain dicts (see `app/openai/objects.py`) because the token
 stream is the hot path.
 """
 

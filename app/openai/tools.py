@@ -21,9 +21,9 @@ import uuid
 from dataclasses import dataclass, replace
 from typing import Any
 
-from app.responses import Choice
-from app.schemas import ChatCompletionBody, ChatMessage, NamedToolChoice, Tool
-from gpu.plan import StructuredOutput
+from app.openai.objects import Choice
+from app.openai.schemas import ChatCompletionBody, ChatMessage, NamedToolChoice, Tool
+from contract.plan import StructuredOutput
 
 TOOL_CALL_OPEN = "<tool_call>"
 TOOL_CALL_CLOSE = "</tool_call>"

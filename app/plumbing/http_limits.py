@@ -17,7 +17,7 @@ import orjson
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from app.errors import INVALID_REQUEST, APIError, error_body
+from app.plumbing.errors import INVALID_REQUEST, APIError, error_body
 
 REQUEST_TIMEOUT_CODE = "request_timeout"
 

@@ -20,16 +20,16 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from app.batch.database import StoreError
-from app.dashboard import DashboardFeed
-from app.errors import APIError
-from app.metric_names import MetricsOptions
-from app.metrics import RejectionReason, ReplicaSnapshots, ServingMetrics, rejection_reason
+from app.observability.dashboard import DashboardFeed
+from app.observability.metric_names import MetricsOptions
+from app.observability.metrics import RejectionReason, ReplicaSnapshots, ServingMetrics, rejection_reason
+from app.plumbing.errors import APIError
 from config.settings import Settings
-from scheduling.engine import Engine
+from scheduling.engine import EngineFront
 from tenancy.tenants import DEFAULT_TENANT, TenantRegistry
 
 if TYPE_CHECKING:
-    from app.tracing import RequestTracer
+    from app.observability.tracing import RequestTracer
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +62,7 @@ class Observability:
         self.count_batches: BatchCounter | None = None  # the Batch API's store, read at each scrape
 
     @classmethod
-    def attach(cls, engine: Engine, *, tenants: TenantRegistry | None = None,
+    def attach(cls, engine: EngineFront, *, tenants: TenantRegistry | None = None,
                is_draining: Callable[[], bool] = lambda: False, dashboard_interval_s: float = 1.0,
                options: MetricsOptions | None = None, replica_snapshots: ReplicaSnapshots | None = None
                ) -> Observability:
@@ -125,13 +125,13 @@ def metrics_options(settings: Settings, model_name: str, max_model_len: int) -> 
     return MetricsOptions(model_name=model_name, max_model_len=max_model_len, names=settings.metrics_names)
 
 
-def trace_requests(engine: Engine, settings: Settings, model_name: str) -> RequestTracer | None:
+def trace_requests(engine: EngineFront, settings: Settings, model_name: str) -> RequestTracer | None:
     """With `otlp_traces_endpoint` set, an OpenTelemetry observer on the engine (the caller shuts it
     down at exit to flush its spans); else None, and opentelemetry is never imported."""
     if settings.otlp_traces_endpoint is None:
         return None
     try:
-        from app.tracing import RequestTracer
+        from app.observability.tracing import RequestTracer
     except ImportError as exc:
         raise RuntimeError("otlp_traces_endpoint needs opentelemetry: install fairlane's `tracing` extra"
                            ) from exc

@@ -12,7 +12,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from app.errors import APIError
+from app.plumbing.errors import APIError
 
 T = TypeVar("T")
 REQUEST_ID_HEADER = b"x-request-id"

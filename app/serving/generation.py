@@ -13,9 +13,9 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from app.detokenizer import IncrementalDetokenizer
-from app.stop_strings import StopStringMatcher
-from gpu.plan import TokenLogprobs
+from app.serving.detokenizer import IncrementalDetokenizer
+from app.serving.stop_strings import StopStringMatcher
+from contract.plan import TokenLogprobs
 from gpu.tokenizer import Tokenizer
 from scheduling.request import Request, RequestStatus, TokenEvent
 

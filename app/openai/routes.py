@@ -20,12 +20,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from app.asgi import ClientGone, EventStreamResponse, read_body, unless_disconnected
-from app.batch.runner import RetryLater
-from app.context import ServingContext
-from app.errors import SERVER_ERROR, APIError, from_validation_error, json_response
-from app.generation import GenerationFailed, TextPiece
-from app.responses import (
+from app.openai.objects import (
     DONE_EVENT,
     ChatChunks,
     Choice,
@@ -39,11 +34,23 @@ from app.responses import (
     sse_error_event,
     text_completion,
 )
-from app.sampling import best_choices, structured_from_response_format, structured_output_of
-from app.schemas import ChatCompletionBody, CompletionBody, FieldRefused, GenerationBody
-from app.submission import RETRY_AFTER_S, ChoiceStarter, Generations, shutting_down
-from app.tools import ToolStream, template_messages, template_tools, tool_finish_reason, uses_tools, with_tool_calls
-from gpu.plan import TokenLogprobs
+from app.openai.sampling import best_choices, structured_from_response_format, structured_output_of
+from app.openai.schemas import ChatCompletionBody, CompletionBody, FieldRefused, GenerationBody
+from app.openai.submission import RETRY_AFTER_S, ChoiceStarter, Generations, shutting_down
+from app.openai.tools import (
+    ToolStream,
+    template_messages,
+    template_tools,
+    tool_finish_reason,
+    uses_tools,
+    with_tool_calls,
+)
+from app.plumbing.asgi import ClientGone, EventStreamResponse, read_body, unless_disconnected
+from app.plumbing.errors import SERVER_ERROR, APIError, from_validation_error, json_response
+from app.serving.context import ServingContext
+from app.serving.generation import GenerationFailed, TextPiece
+from app.serving.items import RetryLater
+from contract.plan import TokenLogprobs
 from scheduling.request import PriorityClass
 from tenancy.tenants import Tenant
 
@@ -228,11 +235,10 @@ class OpenAIRoutes:
         """A 400 for a schema (of response_format or of a forced tool call) the grammar engine cannot
         compile, before anything is submitted. Off the event loop: the first one reads the tokenizer."""
         structured = structured_output_of(body)
-        check = getattr(self.context.engine.executor, "check_structured", None)
-        if structured is None or check is None:
+        if structured is None:
             return
         try:
-            await run_in_threadpool(check, structured)
+            await run_in_threadpool(self.context.engine.executor.check_structured, structured)
         except ValueError as exc:
             param = "response_format" if structured_from_response_format(body) else "tools"
             raise APIError(400, f"The schema cannot be used to constrain the output: {exc}", param=param,

@@ -10,9 +10,9 @@ import uuid
 from collections.abc import Callable, Sequence
 
 from app.batch.database import StoreError
-from app.flags import add_model_flags, settings_from_args
-from app.server import add_serve_command
-from app.tenants_cli import add_tenants_command
+from app.process.flags import add_model_flags, settings_from_args
+from app.process.server import add_serve_command
+from app.process.tenants_cli import add_tenants_command
 from config.settings import SettingsError
 from tenancy.tenants import TenantsFileError
 
@@ -29,7 +29,7 @@ def _add_generate(subparsers: argparse._SubParsersAction[argparse.ArgumentParser
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    from app.engine_factory import build_engine
+    from app.process.engine_factory import build_engine
     from scheduling.request import Request, RequestId
 
     settings = settings_from_args(args)

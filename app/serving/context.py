@@ -6,18 +6,18 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from app.admission import AdmissionGate
+from app.serving.admission import AdmissionGate
 from config.settings import Settings
-from gpu.plan import CacheGeometry
+from contract.plan import CacheGeometry
 from gpu.tokenizer import Tokenizer
-from scheduling.engine import Engine
+from scheduling.engine import EngineFront
 from scheduling.snapshot import SchedulerSnapshot
 
 
 @dataclass(slots=True)
 class ServingContext:
     settings: Settings
-    engine: Engine  # built, not yet started: the app's lifespan starts and stops it
+    engine: EngineFront  # built, not yet started: the app's lifespan starts and stops it
     tokenizer: Tokenizer
     created: int = field(default_factory=lambda: int(time.time()))  # reported as the model's creation time
     is_draining: bool = False  # set once on shutdown: new generations get 503, /health says not ready

@@ -23,16 +23,16 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import ASGIApp
 
-from app.asgi import ClientGone, RequestIdMiddleware
 from app.batch.api import BatchAPI
-from app.context import ServingContext
-from app.errors import APIError, api_error_handler, http_exception_handler, unexpected_error_handler
-from app.flags import add_model_flags, settings_from_args
-from app.http_limits import BodyTimeoutMiddleware, header_timeout_protocol, uvicorn_limit_concurrency
-from app.observability import Observability, metrics_options, trace_requests
-from app.routes import CLIENT_CLOSED_STATUS, OpenAIRoutes
-from app.submission import SHUTTING_DOWN
-from app.tokenization import TokenizationRoutes
+from app.observability.routes import Observability, metrics_options, trace_requests
+from app.openai.routes import CLIENT_CLOSED_STATUS, OpenAIRoutes
+from app.openai.submission import SHUTTING_DOWN
+from app.openai.tokenization import TokenizationRoutes
+from app.plumbing.asgi import ClientGone, RequestIdMiddleware
+from app.plumbing.errors import APIError, api_error_handler, http_exception_handler, unexpected_error_handler
+from app.plumbing.http_limits import BodyTimeoutMiddleware, header_timeout_protocol, uvicorn_limit_concurrency
+from app.process.flags import add_model_flags, settings_from_args
+from app.serving.context import ServingContext
 from config.settings import Settings
 from scheduling.gc_pacing import paced_collection
 
@@ -149,7 +149,7 @@ class DrainingServer(uvicorn.Server):
 
 
 def uvicorn_config(context: ServingContext, *, access_log: bool = True, log_level: str = "info") -> uvicorn.Config:
-    """uvicorn for this app, with the HTTP limits of app.http_limits: a deadline on each request head
+    """uvicorn for this app, with the HTTP limits of app.plumbing.http_limits: a deadline on each request head
     (our subclass of uvicorn's httptools protocol), on each wait for a body piece, and a cap on open
     connections (uvicorn's limit_concurrency: a request on one connection too many gets 503)."""
     settings = context.settings
@@ -183,7 +183,7 @@ def warn_if_unauthenticated(settings: Settings) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from app.engine_factory import build_engine  # imports torch: only when actually serving
+    from app.process.engine_factory import build_engine  # imports torch: only when actually serving
 
     settings = settings_from_args(args, SERVE_FLAG_KEYS)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

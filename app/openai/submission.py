@@ -1,5 +1,5 @@
 """Starting a response's choices: build each choice's engine request, take the tenant's quota for
-all of them or none, submit the first choice of each prompt and defer the others (app/choices.py).
+all of them or none, submit the first choice of each prompt and defer the others (app/serving/choices.py).
 Every refusal on the way is an APIError, and nothing stays taken after one."""
 
 from __future__ import annotations
@@ -7,14 +7,14 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, replace
 
-from app.admission import RATE_LIMIT_ERROR
-from app.choices import ChoiceSet, DeferredStream
-from app.context import ServingContext
-from app.errors import APIError
-from app.generation import GenerationFailed, TextGeneration, TokenStream
-from app.sampling import sampling_params
-from app.schemas import ChatCompletionBody, CompletionBody, GenerationBody
-from app.tools import ToolStream, uses_tools
+from app.openai.sampling import sampling_params
+from app.openai.schemas import ChatCompletionBody, CompletionBody, GenerationBody
+from app.openai.tools import ToolStream, uses_tools
+from app.plumbing.errors import APIError
+from app.serving.admission import RATE_LIMIT_ERROR
+from app.serving.choices import ChoiceSet, DeferredStream
+from app.serving.context import ServingContext
+from app.serving.generation import GenerationFailed, TextGeneration, TokenStream
 from scheduling.engine import EngineOverloaded, EngineStopped, RequestStream, TenantOverShare
 from scheduling.request import PriorityClass, RequestId
 from scheduling.request import Request as EngineRequest
@@ -100,7 +100,7 @@ class ChoiceStarter:
 
     def _submit_all(self, requests: list[EngineRequest], body: GenerationBody, prompt_param: str) -> ChoiceSet:
         """Submit the first choice of each prompt now; the others wait for its first token (see
-        app/choices.py). If the engine refuses one now, the started ones are aborted, the rest released."""
+        app/serving/choices.py). If the engine refuses one now, the started ones are aborted, the rest released."""
         per_prompt = body.num_generations
         generations: list[TextGeneration] = []
         try:

@@ -1,6 +1,6 @@
 """OpenTelemetry traces: one span tree per request, exported over OTLP when the operator asks.
 
-Imported only when `otlp_traces_endpoint` is set (app.observability.trace_requests), so a server
+Imported only when `otlp_traces_endpoint` is set (app.observability.routes.trace_requests), so a server
 without it never loads opentelemetry. The tree is built when the request finishes, from the times
 it already carries, with explicit start and end times: while a request runs, the tracer only notes
 when its tokens came and whether it was preempted since the last one.

@@ -15,9 +15,9 @@ from typing import Any, ClassVar, Protocol
 
 import orjson
 
-from app.errors import error_body
-from app.generation import TextPiece, Usage
-from gpu.plan import TokenLogprobs
+from app.plumbing.errors import error_body
+from app.serving.generation import TextPiece, Usage
+from contract.plan import TokenLogprobs
 from gpu.tokenizer import Tokenizer
 
 DONE_EVENT = b"data: [DONE]\n\n"

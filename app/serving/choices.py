@@ -13,7 +13,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
-from app.generation import GenerationFailed, TextGeneration, TextPiece, Usage, collect
+from app.serving.generation import GenerationFailed, TextGeneration, TextPiece, Usage, collect
 from scheduling.engine import RequestStream
 from scheduling.request import Request, RequestStatus, TokenEvent
 

@@ -162,6 +162,7 @@ class ClusterEngine(EngineFront):
 
     async def shutdown(self, message: str = "the server is shutting down") -> None:
         """End every request still running on a replica with an error (cancelling it there), then stop."""
+        self._accepting = False
         for request_id, run in list(self._runs.items()):
             del self._runs[request_id]
             if run.task is not None:
@@ -172,7 +173,6 @@ class ClusterEngine(EngineFront):
             with contextlib.suppress(asyncio.CancelledError):
                 await self._watch_task
             self._watch_task = None
-        self._accepting = False
 
     @property
     def snapshot(self) -> SchedulerSnapshot:

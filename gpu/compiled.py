@@ -1,7 +1,8 @@
 """The runner's packed forward, eager or compiled with torch.compile (inductor).
 
-One graph covers the whole step: embeddings, every layer and the LM head, with the paged attention a
-registered custom op inside it (gpu/attention.py), so nothing breaks the graph. Every size that
+One graph covers the whole step: embeddings, every layer and the LM head. In the attention, the pool
+write and the prefill chunks are a registered op and the decodes are traced (gpu/attention.py), so
+nothing breaks the graph. Every size that
 changes from step to step is unbacked: the token count, how many logits are kept, and the step
 layout (how many decodes, chunks and context rows). Dynamo then guards on none of them, so one graph
 serves a lone decode, 64 decodes and any mix of decodes and prefill chunks. (A separate static graph

@@ -190,12 +190,11 @@ def instant_geometry(settings: Settings, max_model_len: int = 4096) -> CacheGeom
 # ---- wrappers ------------------------------------------------------------------------------------
 
 
-class RecordingExecutor:
-    """Delegates to another executor and keeps each plan it ran."""
+class DelegatingExecutor:
+    """Hands everything to another executor; a wrapper overrides what it watches."""
 
     def __init__(self, inner: Executor) -> None:
         self.inner = inner
-        self.plans: list[StepPlan] = []
 
     @property
     def geometry(self) -> CacheGeometry:
@@ -203,6 +202,17 @@ class RecordingExecutor:
 
     def check_structured(self, structured: StructuredOutput) -> None:
         self.inner.check_structured(structured)
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        return self.inner.execute(plan)
+
+
+class RecordingExecutor(DelegatingExecutor):
+    """Delegates to another executor and keeps each plan it ran."""
+
+    def __init__(self, inner: Executor) -> None:
+        super().__init__(inner)
+        self.plans: list[StepPlan] = []
 
     def execute(self, plan: StepPlan) -> StepResult:
         self.plans.append(plan)

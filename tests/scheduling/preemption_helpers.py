@@ -7,7 +7,8 @@ import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from contract.plan import CacheGeometry, StepPlan, StepResult, StructuredOutput
+from benchmarks.fake_executors import DelegatingExecutor
+from contract.plan import StepPlan, StepResult
 from gpu.models import LoadedModel
 from scheduling.engine import Engine, RequestStream
 from scheduling.executor import Executor
@@ -49,20 +50,13 @@ class StepRecord:
 
 
 @dataclass(slots=True)
-class WatchingExecutor:
+class WatchingExecutor(DelegatingExecutor):
     """Delegates to the runner and records each step. The engine awaits the step, so the scheduler
     is not changing while `execute` reads it; records[k] is the step the scheduler numbered k + 1."""
 
     inner: Executor
     scheduler: Scheduler | None = None
     records: list[StepRecord] = field(default_factory=list)
-
-    @property
-    def geometry(self) -> CacheGeometry:
-        return self.inner.geometry
-
-    def check_structured(self, structured: StructuredOutput) -> None:
-        self.inner.check_structured(structured)
 
     def execute(self, plan: StepPlan) -> StepResult:
         assert self.scheduler is not None

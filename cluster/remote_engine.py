@@ -162,7 +162,7 @@ class ClusterEngine(EngineFront):
 
     async def shutdown(self, message: str = "the server is shutting down") -> None:
         """End every request still running on a replica with an error (cancelling it there), then stop."""
-        self._accepting = False
+        self.stop_accepting()
         for request_id, run in list(self._runs.items()):
             del self._runs[request_id]
             if run.task is not None:

@@ -35,8 +35,8 @@ class Settings(BaseModel):
     # Weight-only quantization of every linear layer, the LM head included (see gpu/quantization.py).
     quantization: Literal["none", "int8", "int4"] = "none"
     seed: int = 0
-    # The runner's forward: eager, default (inductor), max (inductor with frozen weights and
-    # max-autotune). Compiled at start-up; the artifacts are kept under compile_cache_dir (gpu/compiled.py).
+    # The runner's forward: eager, default (inductor), max (inductor with max-autotune and its C++
+    # wrapper). Compiled at start-up; the artifacts are kept under compile_cache_dir (gpu/compiled.py).
     compile_mode: Literal["eager", "default", "max"] = "max"
     compile_cache_dir: str = "./data/compile_cache"
     model_cache_dir: str = "./data/models"

@@ -143,6 +143,11 @@ def _write(pool: torch.Tensor, rows: torch.Tensor, new: torch.Tensor) -> None:
     pool.view(-1, pool.shape[3]).index_copy_(0, rows, new.reshape(-1, pool.shape[3]))
 
 
+def _chunk_rows(query: torch.Tensor, num_decodes: Any) -> torch.Tensor:
+    """The output of the prefill chunks' attention: one row per token after the decodes."""
+    return query.new_empty(query.shape[2] - num_decodes, query.shape[1], query.shape[3])
+
+
 def write_and_prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_pool: torch.Tensor, layer: int,
                       write_rows: torch.Tensor, num_decodes: int, prefill_layout: torch.Tensor,
                       prefill_rows: torch.Tensor, scaling: float) -> torch.Tensor:
@@ -151,7 +156,7 @@ def write_and_prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     k_pool, v_pool = kv_pool[layer, 0], kv_pool[layer, 1]
     _write(k_pool, write_rows, key[0])
     _write(v_pool, write_rows, value[0])
-    out = query.new_empty(query.shape[2] - num_decodes, query.shape[1], query.shape[3])
+    out = _chunk_rows(query, num_decodes)
     if not prefill_layout.shape[0]:  # a decode-only step: no list to make, in each layer
         return out
     for chunk in prefill_layout.tolist():
@@ -160,7 +165,7 @@ def write_and_prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     return out
 
 
-OP_SCHEMA = ("write_and_prefill(Tensor query, Tensor key, Tensor value, Tensor(a!) kv_pool, int layer, "
+_OP_SCHEMA = ("write_and_prefill(Tensor query, Tensor key, Tensor value, Tensor(a!) kv_pool, int layer, "
              "Tensor write_rows, SymInt num_decodes, Tensor prefill_layout, Tensor prefill_rows, float scaling) "
              "-> Tensor")
 
@@ -171,12 +176,12 @@ def _define_op() -> Any:
     measured 9 against 35 us a call. The pool write stays inside it: written by traced code, the
     pool (a graph input, mutated through a view) was copied whole at each write."""
     library = torch.library.Library("fairlane", "DEF")  # type: ignore[no-untyped-call]
-    library.define(OP_SCHEMA)  # type: ignore[no-untyped-call]
+    library.define(_OP_SCHEMA)  # type: ignore[no-untyped-call]
     library.impl("write_and_prefill", write_and_prefill, "CompositeExplicitAutograd")  # type: ignore[no-untyped-call]
 
     def shape(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_pool: torch.Tensor, layer: int,
               write_rows: torch.Tensor, num_decodes: Any, *args: Any) -> torch.Tensor:
-        return query.new_empty(query.shape[2] - num_decodes, query.shape[1], query.shape[3])
+        return _chunk_rows(query, num_decodes)
 
     torch.library.register_fake("fairlane::write_and_prefill", shape, lib=library)
     return library

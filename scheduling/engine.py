@@ -289,7 +289,6 @@ class EngineFront(abc.ABC):
                 logger.exception("an engine failure callback failed")
 
 
-
 class Engine(EngineFront):
     """The engine of one process: its one asyncio task owns the scheduler and runs steps while there is
     work; every change to the scheduler is a command that task applies."""

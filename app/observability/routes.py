@@ -71,7 +71,7 @@ class Observability:
         "default" and token-count buckets reach the engine's context length. With `replica_snapshots`
         (a cluster's ingress) the engine gauges and counters are the replicas', labelled by replica."""
         tenants = tenants if tenants is not None else engine.tenants
-        options = options or MetricsOptions(max_model_len=engine.executor.geometry.max_model_len)
+        options = options or MetricsOptions(max_model_len=engine.geometry.max_model_len)
         metrics = ServingMetrics(lambda: engine.snapshot, tenants, options, replica_snapshots)
         engine.observers.append(metrics.observer)
         dashboard = DashboardFeed(lambda: engine.snapshot, metrics, interval_s=dashboard_interval_s,

@@ -32,8 +32,9 @@ class Settings(BaseModel):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     # auto: bfloat16 on CUDA and on a CPU with AMX, else float32 (see gpu.models.cpu_has_native_bfloat16)
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    # Weight-only quantization of every linear layer, the LM head included (see gpu/quantization.py).
-    quantization: Literal["none", "int8", "int4"] = "none"
+    # Weight-only quantization of every linear layer, the LM head included (see gpu/quantization.py);
+    # "auto" keeps a GGUF model's own precision (the default model's Q4_1 serves in int4), else none.
+    quantization: Literal["auto", "none", "int8", "int4"] = "auto"
     seed: int = 0
     # The runner's forward: eager, default (inductor), max (inductor with max-autotune and its C++
     # wrapper). Compiled at start-up; the artifacts are kept under compile_cache_dir (gpu/compiled.py).

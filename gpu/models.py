@@ -10,13 +10,14 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from gpu.quantization import Quantization, quantize_linears
+from gpu.quantization import Quantization, QuantizationChoice, quantize_linears
 from gpu.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is ever downloaded
@@ -151,6 +152,37 @@ def load_gguf(path: Path, dtype: torch.dtype) -> tuple[Any, Tokenizer]:
     return model, HFTokenizer(hf_tokenizer, eos_token_ids_of(model, hf_tokenizer))
 
 
+# GGUF block types by the packed kernel that keeps their precision: 4-bit and smaller blocks come back
+# as int4's groups (Q4_1 exactly: the same integers, scales and minimums); 5- to 8-bit blocks as int8.
+GGUF_FOUR_BIT = frozenset({"Q2_K", "Q3_K", "Q4_0", "Q4_1", "Q4_K", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS",
+                           "IQ3_S", "IQ4_NL", "IQ4_XS", "IQ1_S", "IQ1_M"})
+GGUF_EIGHT_BIT = frozenset({"Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0", "Q8_1", "Q8_K"})
+
+
+def shipped_quantization(path: Path) -> Quantization:
+    """The weight-only mode that keeps a GGUF file's linear layers at the precision they ship in.
+    Serving a 4-bit file dequantized to float32 reads 8x the bytes a step needs for the same values."""
+    from gguf import GGUFReader
+
+    kinds = Counter(tensor.tensor_type.name for tensor in GGUFReader(str(path)).tensors
+                    if tensor.name.startswith("blk.") and len(tensor.shape) == 2)
+    most_common = kinds.most_common(1)[0][0] if kinds else "F32"
+    if most_common in GGUF_FOUR_BIT:
+        return "int4"
+    return "int8" if most_common in GGUF_EIGHT_BIT else "none"
+
+
+def resolve_quantization(spec: str, choice: QuantizationChoice) -> Quantization:
+    """`auto` keeps a GGUF model's own precision; a checkpoint or a builtin model stays unquantized."""
+    if choice != "auto":
+        return choice
+    if spec == SMOLLM2_SPEC:
+        return shipped_quantization(smollm2_dir() / SMOLLM2_GGUF)
+    if spec.endswith(".gguf") and Path(spec).is_file():
+        return shipped_quantization(Path(spec))
+    return "none"
+
+
 def load_checkpoint(path: Path, dtype: torch.dtype) -> tuple[Any, Tokenizer]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -172,11 +204,12 @@ def eos_token_ids_of(model: Any, hf_tokenizer: Any) -> frozenset[int]:
 
 
 def load_model(spec: str, *, device: str = "auto", dtype: str = "auto", seed: int = 0,
-               cache_dir: str = "./data/models", quantization: Quantization = "none") -> LoadedModel:
+               cache_dir: str = "./data/models", quantization: QuantizationChoice = "none") -> LoadedModel:
     """Load a model spec onto its device in its dtype, its linear layers quantized as asked; attention
     is switched to the paged path later."""
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
+    mode = resolve_quantization(spec, quantization)
     tokenizer: Tokenizer
     if spec.startswith("builtin:"):
         model, tokenizer = build_builtin(spec.split(":", 1)[1], seed), ByteTokenizer()
@@ -187,9 +220,10 @@ def load_model(spec: str, *, device: str = "auto", dtype: str = "auto", seed: in
     else:
         model, tokenizer = load_checkpoint(Path(spec), torch_dtype)
     model = model.to(device=torch_device, dtype=torch_dtype)
-    quantize_linears(model, quantization)
-    return LoadedModel(spec, model, tokenizer, context_length_of(model.config), torch_dtype, torch_device,
-                       quantization)
+    quantize_linears(model, mode)
+    if mode != quantization:
+        logger.info("quantization %s: %s (the precision %s ships in)", quantization, mode, spec)
+    return LoadedModel(spec, model, tokenizer, context_length_of(model.config), torch_dtype, torch_device, mode)
 
 
 def context_length_of(config: Any) -> int:

@@ -7,12 +7,13 @@
 #     loadtest/serve_comparison.sh OUT_DIR [CONCURRENCY] [FAIRLANE_MODES]
 #
 # FAIRLANE_MODES is a comma list of dtype:quantization[:compile], default
-# "float32:none,float32:int8,float32:int4" (each with fairlane's default --compile). DEVICE, when set,
+# "float32:auto,float32:none" (the default, which keeps the model's own precision, and float32 unquantized; each
+# with fairlane's default --compile). DEVICE, when set,
 # is passed to fairlane as --device.
 set -euo pipefail
 out=${1:?usage: serve_comparison.sh OUT_DIR [CONCURRENCY] [FAIRLANE_MODES]}
 concurrency=${2:-1,8,32,64}
-modes=${3:-float32:none,float32:int8,float32:int4}
+modes=${3:-float32:auto,float32:none}
 port=${PORT:-8123}
 bin=$(dirname "$0")/../.venv/bin
 mkdir -p "$out"

@@ -17,8 +17,9 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument("--max-num-seqs", type=int)
     parser.add_argument("--max-num-batched-tokens", type=int)
-    parser.add_argument("--quantization", choices=["none", "int8", "int4"],
-                        help="weight-only quantization of every linear layer, the LM head included")
+    parser.add_argument("--quantization", choices=["auto", "none", "int8", "int4"],
+                        help="weight-only quantization of the linear layers; auto (the default) keeps a GGUF "
+                             "model's own precision")
     parser.add_argument("--kv-cache-bytes", type=int, help="the KV pool in bytes (default: a share of free memory)")
     parser.add_argument("--kv-cache-memory-fraction", type=float,
                         help="the KV pool's share of the memory free after loading, without --kv-cache-bytes")

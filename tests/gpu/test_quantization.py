@@ -4,13 +4,15 @@ back as its own integers, and a quantized model serves through the engine."""
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
 
-from gpu.models import load_model
+from gpu.models import SMOLLM2_GGUF, load_model, resolve_quantization, shipped_quantization, smollm2_dir
 from gpu.quantization import (
     INT4_GROUP_SIZE,
     Int4WeightOnlyLinear,
@@ -79,6 +81,7 @@ async def test_a_quantized_model_serves_close_to_float(mode: Quantization, min_a
     loaded = load_model("builtin:tiny", device="cpu", dtype="float32", quantization=mode)
     replaced = [m for m in loaded.model.modules() if isinstance(m, Int8WeightOnlyLinear | Int4WeightOnlyLinear)]
     assert len(replaced) == REPLACED[mode]
+    assert isinstance(loaded.model.lm_head, Int8WeightOnlyLinear)  # 8 bits, as GGUF's 4-bit files keep it
     text = byte_prompt(200)
     # Teacher-forced: the next token each would pick at every position of the same text.
     agreement = (hf_logits(loaded.model, text).argmax(-1) == hf_logits(tiny_reference, text).argmax(-1))
@@ -93,3 +96,37 @@ async def test_a_quantized_model_serves_close_to_float(mode: Quantization, min_a
     first_tokens = [tokens_of(events)[0] for events in results]
     assert all(len(tokens_of(events)) == 16 for events in results)
     assert first_tokens == expected_first
+
+
+def write_gguf(path: Path, block_type: str, layers: int = 3) -> Path:
+    """A GGUF file whose layers' linear weights are stored in one block type (and an F32 norm)."""
+    import gguf
+    from gguf.quants import quantize
+
+    writer = gguf.GGUFWriter(str(path), "llama")
+    kind = gguf.GGMLQuantizationType[block_type]
+    data = np.random.default_rng(0).standard_normal((64, 64)).astype(np.float32)
+    for layer in range(layers):
+        writer.add_tensor(f"blk.{layer}.attn_q.weight", quantize(data, kind), raw_dtype=kind)
+        writer.add_tensor(f"blk.{layer}.attn_norm.weight", data[0])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.mark.parametrize(("block_type", "expected"), [("Q4_1", "int4"), ("Q4_0", "int4"), ("Q8_0", "int8"),
+                                                      ("F16", "none"), ("F32", "none")])
+def test_auto_keeps_a_gguf_files_own_precision(tmp_path: Path, block_type: str, expected: str) -> None:
+    path = write_gguf(tmp_path / "model.gguf", block_type)
+    assert shipped_quantization(path) == expected
+    assert resolve_quantization(str(path), "auto") == expected
+    assert resolve_quantization(str(path), "none") == "none"  # an explicit choice is kept
+
+
+def test_auto_serves_the_default_model_in_its_q4_1_and_builtins_unquantized() -> None:
+    assert shipped_quantization(smollm2_dir() / SMOLLM2_GGUF) == "int4"
+    assert resolve_quantization("smollm2-135m", "auto") == "int4"
+    assert resolve_quantization("builtin:tiny", "auto") == "none"
+    assert resolve_quantization("builtin:tiny", "int8") == "int8"

@@ -55,6 +55,6 @@ gpu-check: install compiler
 	$(BIN)/python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'gpu-check: no CUDA device')"
 	mkdir -p $(GPU_OUT)
 	FAIRLANE_TEST_DEVICE=cuda $(BIN)/pytest -q tests/gpu tests/app/test_openai_client.py --junitxml=$(GPU_OUT)/tests.xml
-	$(BIN)/fairlane bench engine --model smollm2-135m --device cuda --dtype bfloat16 --requests 64 --seed 0 \
-		--out $(GPU_OUT)/bench_engine.json
+	$(BIN)/fairlane bench engine --model smollm2-135m --device cuda --dtype bfloat16 --quantization none \
+		--requests 64 --seed 0 --out $(GPU_OUT)/bench_engine.json
 	DEVICE=cuda bash loadtest/serve_comparison.sh $(GPU_OUT)/serve 1,8,32,64 bfloat16:none:eager,bfloat16:none:max

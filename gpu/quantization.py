@@ -50,7 +50,7 @@ class Int8WeightOnlyLinear(nn.Module):
         self.register_buffer("weight_int8", quantized)
         self.register_buffer("scales", scales.to(self.compute_dtype))
         self.bias = linear.bias
-        self.out_features = linear.out_features
+        self.in_features, self.out_features = linear.in_features, linear.out_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1]).to(self.compute_dtype)
@@ -85,7 +85,7 @@ class Int4WeightOnlyLinear(nn.Module):
                              .contiguous().to(self.compute_dtype))
         self.group_size = group_size
         self.bias = linear.bias
-        self.out_features = linear.out_features
+        self.in_features, self.out_features = linear.in_features, linear.out_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1]).to(self.compute_dtype)

@@ -51,6 +51,16 @@ CREATE TABLE IF NOT EXISTS batch_items (
     PRIMARY KEY (batch_id, line)
 );
 CREATE INDEX IF NOT EXISTS pending_items ON batch_items (batch_id, state, line);
+-- Stored responses of the Responses API (app/responses/store.py).
+CREATE TABLE IF NOT EXISTS responses (
+    id TEXT PRIMARY KEY,
+    tenant TEXT NOT NULL,
+    status TEXT NOT NULL,  -- a copy of data's status, so unfinished background responses are found by index
+    data TEXT NOT NULL,    -- the response object
+    items TEXT NOT NULL,   -- its conversation's input items (earlier turns included), canonical JSON
+    request TEXT           -- a background response's request body, to run it again after a restart
+);
+CREATE INDEX IF NOT EXISTS responses_by_status ON responses (status);
 """
 # Created after the migration: databases from before the status column gain it first.
 STATUS_INDEX = "CREATE INDEX IF NOT EXISTS batches_by_status ON batches (status, seq)"

@@ -34,19 +34,17 @@ from app.openai.objects import (
     sse_error_event,
     text_completion,
 )
-from app.openai.sampling import best_choices, structured_from_response_format, structured_output_of
+from app.openai.sampling import best_choices
 from app.openai.schemas import ChatCompletionBody, CompletionBody, FieldRefused, GenerationBody
-from app.openai.submission import RETRY_AFTER_S, ChoiceStarter, Generations, shutting_down
+from app.openai.submission import RETRY_AFTER_S, THREAD_TOKENIZE_CHARS, ChoiceStarter, Generations, shutting_down
 from app.openai.tools import (
     ToolStream,
-    template_messages,
-    template_tools,
     tool_finish_reason,
     uses_tools,
     with_tool_calls,
 )
 from app.plumbing.asgi import ClientGone, EventStreamResponse, read_body, unless_disconnected
-from app.plumbing.errors import SERVER_ERROR, APIError, from_validation_error, json_response
+from app.plumbing.errors import APIError, from_validation_error, json_response
 from app.serving.context import ServingContext
 from app.serving.generation import GenerationFailed, TextPiece
 from app.serving.items import RetryLater
@@ -55,8 +53,6 @@ from scheduling.request import PriorityClass
 from tenancy.tenants import Tenant
 
 BodyT = TypeVar("BodyT", bound=GenerationBody)
-# Tokenizing a long prompt can take long enough to stall every stream; such prompts go to a thread.
-THREAD_TOKENIZE_CHARS = 16_384
 # What a client that disconnects is "answered" (it is never seen): nginx's "client closed request".
 CLIENT_CLOSED_STATUS = 499
 CHAT_PATH = "/v1/chat/completions"
@@ -141,15 +137,7 @@ class OpenAIRoutes:
         if isinstance(body, CompletionBody):
             return [await self._completion_prompt(prompt) for prompt in body.prompts]
         assert isinstance(body, ChatCompletionBody)
-        tokenizer = self.context.tokenizer
-        messages = template_messages(body, tokenizer.knows_tools)
-        tools = template_tools(body) if tokenizer.knows_tools else None
-        num_chars = sum(len(message["content"]) for message in messages)
-        try:
-            return [await self._tokenize(lambda m: tokenizer.encode_chat(m, tools), messages, num_chars)]
-        except Exception as exc:  # chat templates raise what they like (e.g. roles that must alternate)
-            raise APIError(400, f"The model's chat template cannot render these messages: {exc}",
-                           param="messages") from None
+        return [await self.starter.chat_prompt(body)]
 
     async def _completion_prompt(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -194,7 +182,7 @@ class OpenAIRoutes:
 
     async def _generate(self, request: Request, tenant: Tenant, body: GenerationBody, prompts: list[list[int]],
                         flavor: Flavor) -> Response:
-        await self._check_grammar(body)
+        await self.starter.check_grammar(body)
         completion_id = flavor.id_prefix + uuid.uuid4().hex
         started = self.starter.start(completion_id, body, prompts, tenant, flavor.prompt_param,
                                      self._priority_of(body))
@@ -207,7 +195,7 @@ class OpenAIRoutes:
         try:
             whole = await unless_disconnected(request.receive, self._whole(started, body, envelope, flavor))
         except GenerationFailed as exc:
-            raise self._failure(exc) from None
+            raise self.starter.failure(exc) from None
         except ClientGone:
             return Response(status_code=CLIENT_CLOSED_STATUS)
         return json_response(whole, headers=started.headers)
@@ -231,19 +219,6 @@ class OpenAIRoutes:
             return None
         return EchoedPrompt(request.prompt_token_ids[0], prompt_logprobs)
 
-    async def _check_grammar(self, body: GenerationBody) -> None:
-        """A 400 for a schema (of response_format or of a forced tool call) the grammar engine cannot
-        compile, before anything is submitted. Off the event loop: the first one reads the tokenizer."""
-        structured = structured_output_of(body)
-        if structured is None:
-            return
-        try:
-            await run_in_threadpool(self.context.engine.executor.check_structured, structured)
-        except ValueError as exc:
-            param = "response_format" if structured_from_response_format(body) else "tools"
-            raise APIError(400, f"The schema cannot be used to constrain the output: {exc}", param=param,
-                           code="invalid_schema") from None
-
     def _logprobs_format(self, body: GenerationBody) -> LogprobsFormat | None:
         return LogprobsFormat(self.context.tokenizer) if body.num_logprobs is not None else None
 
@@ -258,7 +233,7 @@ class OpenAIRoutes:
         tenant = self.context.engine.tenants.get(tenant_id)
         try:
             body: GenerationBody = self._validated(body_type, {**raw_body, "stream": False})
-            await self._check_grammar(body)
+            await self.starter.check_grammar(body)
             started = self.starter.start(completion_id, body, await self._prompts_of(body), tenant,
                                          flavor.prompt_param, PriorityClass.BATCH)
             envelope = Envelope(completion_id, int(time.time()), self.context.model_name, body.service_tier)
@@ -266,7 +241,7 @@ class OpenAIRoutes:
         except GenerationFailed as exc:
             if self.context.is_draining or exc.status == 503:
                 raise RetryLater(str(exc)) from None
-            return 500, completion_id, self._failure(exc).body()
+            return 500, completion_id, self.starter.failure(exc).body()
         except APIError as exc:
             if exc.status in (429, 503):  # the tenant's quota or the server is full for now: wait, not fail
                 raise RetryLater(exc.message) from None
@@ -275,15 +250,6 @@ class OpenAIRoutes:
     @staticmethod
     def _priority_of(body: GenerationBody) -> PriorityClass:
         return PriorityClass.BATCH if body.is_batch_class else PriorityClass.INTERACTIVE
-
-    def _failure(self, exc: GenerationFailed) -> APIError:
-        """A request the engine ended with an error: a 503 while draining or overloaded, else the
-        server's fault."""
-        if self.context.is_draining:
-            return shutting_down()
-        if exc.status == 503:
-            return APIError(503, str(exc), code="server_overloaded", headers={"retry-after": RETRY_AFTER_S})
-        return APIError(500, str(exc), type=SERVER_ERROR)
 
     async def _sse_events(self, started: Generations, chunks: ChunkEncoder, shape: StreamShape
                           ) -> AsyncGenerator[bytes, None]:
@@ -314,7 +280,7 @@ class OpenAIRoutes:
             if shape.include_usage:
                 yield chunks.usage(started.choices.usage())
         except GenerationFailed as exc:
-            error = self._failure(exc)
+            error = self.starter.failure(exc)
             yield sse_error_event(error.message, error.type, error.code)
         yield DONE_EVENT
 

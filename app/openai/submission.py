@@ -7,10 +7,12 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, replace
 
-from app.openai.sampling import sampling_params
+from starlette.concurrency import run_in_threadpool
+
+from app.openai.sampling import sampling_params, structured_from_response_format, structured_output_of
 from app.openai.schemas import ChatCompletionBody, CompletionBody, GenerationBody
-from app.openai.tools import ToolStream, uses_tools
-from app.plumbing.errors import APIError
+from app.openai.tools import ToolStream, template_messages, template_tools, uses_tools
+from app.plumbing.errors import SERVER_ERROR, APIError
 from app.serving.admission import RATE_LIMIT_ERROR
 from app.serving.choices import ChoiceSet, DeferredStream
 from app.serving.context import ServingContext
@@ -22,6 +24,8 @@ from scheduling.scheduler import AdmissionError
 from tenancy.tenants import Tenant
 
 RETRY_AFTER_S = "1"
+# Tokenizing a long prompt can take long enough to stall every stream; such prompts go to a thread.
+THREAD_TOKENIZE_CHARS = 16_384
 SHUTTING_DOWN = "The server is shutting down; retry on another replica or later."
 
 
@@ -41,8 +45,48 @@ class Generations:
 
 
 class ChoiceStarter:
+    """What every API that generates shares, from a chat body to started choices and back to an
+    error: chat completions, completions, the Responses API and the Messages API."""
+
     def __init__(self, context: ServingContext) -> None:
         self.context = context
+
+    async def chat_prompt(self, chat: ChatCompletionBody, param: str = "messages") -> list[int]:
+        """The chat template's prompt for the body; long ones are tokenized off the event loop. A
+        conversation the template refuses is a 400 naming `param`, the field it came from."""
+        tokenizer = self.context.tokenizer
+        messages = template_messages(chat, tokenizer.knows_tools)
+        tools = template_tools(chat) if tokenizer.knows_tools else None
+        try:
+            if sum(len(message["content"] or "") for message in messages) < THREAD_TOKENIZE_CHARS:
+                return tokenizer.encode_chat(messages, tools)
+            return await run_in_threadpool(tokenizer.encode_chat, messages, tools)
+        except Exception as exc:  # chat templates raise what they like (e.g. roles that must alternate)
+            raise APIError(400, f"The model's chat template cannot render these messages: {exc}",
+                           param=param) from None
+
+    async def check_grammar(self, body: GenerationBody, format_param: str = "response_format") -> None:
+        """A 400 for a schema (of the output format, named `format_param` in the caller's API, or of a
+        forced tool call) the grammar engine cannot compile, before anything is submitted. Off the
+        event loop: the first one reads the tokenizer."""
+        structured = structured_output_of(body)
+        if structured is None:
+            return
+        try:
+            await run_in_threadpool(self.context.engine.executor.check_structured, structured)
+        except ValueError as exc:
+            param = format_param if structured_from_response_format(body) else "tools"
+            raise APIError(400, f"The schema cannot be used to constrain the output: {exc}", param=param,
+                           code="invalid_schema") from None
+
+    def failure(self, exc: GenerationFailed) -> APIError:
+        """A request the engine ended with an error: a 503 while draining or overloaded, else the
+        server's fault."""
+        if self.context.is_draining:
+            return shutting_down()
+        if exc.status == 503:
+            return APIError(503, str(exc), code="server_overloaded", headers={"retry-after": RETRY_AFTER_S})
+        return APIError(500, str(exc), type=SERVER_ERROR)
 
     def start(self, completion_id: str, body: GenerationBody, prompts: list[list[int]], tenant: Tenant,
                prompt_param: str, priority: PriorityClass) -> Generations:

@@ -23,6 +23,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import ASGIApp
 
+from app.anthropic.errors import AnthropicError, anthropic_error_handler
+from app.anthropic.routes import AnthropicRoutes
 from app.batch.api import BatchAPI
 from app.observability.routes import Observability, metrics_options, trace_requests
 from app.openai.routes import CLIENT_CLOSED_STATUS, OpenAIRoutes
@@ -32,6 +34,7 @@ from app.plumbing.asgi import ClientGone, RequestIdMiddleware
 from app.plumbing.errors import APIError, api_error_handler, http_exception_handler, unexpected_error_handler
 from app.plumbing.http_limits import BodyTimeoutMiddleware, header_timeout_protocol, uvicorn_limit_concurrency
 from app.process.flags import add_model_flags, settings_from_args
+from app.responses.api import ResponsesAPI
 from app.serving.context import ServingContext
 from config.settings import Settings
 from scheduling.gc_pacing import paced_collection
@@ -53,14 +56,17 @@ def create_app(context: ServingContext) -> ASGIApp:
 
     openai = OpenAIRoutes(context)
     batches = BatchAPI.build(context.settings, context.gate, openai.run_batch_item, context.model_name)
+    responses = ResponsesAPI.build(context)
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         await context.engine.start()
         batches.runner.start()
+        await responses.start()
         try:
             yield
         finally:
+            await responses.stop()
             await batches.stop()
             await context.engine.shutdown(SHUTTING_DOWN)
             if tracer is not None:  # the last spans leave over the network: off the event loop
@@ -75,9 +81,12 @@ def create_app(context: ServingContext) -> ASGIApp:
     observability.count_batches = batches.store.count_batches
     tracer = trace_requests(context.engine, settings, context.model_name)
     tokenization = TokenizationRoutes(context)
-    routes = [*openai.routes(), *tokenization.routes(), *batches.routes, *observability.routes()]
+    anthropic = AnthropicRoutes(context)
+    routes = [*openai.routes(), *anthropic.routes(), *tokenization.routes(), *batches.routes, *responses.routes,
+              *observability.routes()]
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={
         APIError: observability.count_rejections(api_error_handler),
+        AnthropicError: observability.count_rejections(anthropic_error_handler),
         HTTPException: http_exception_handler,
         ClientGone: _client_gone_handler,
         Exception: unexpected_error_handler,

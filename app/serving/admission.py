@@ -29,6 +29,11 @@ def bearer_key(request: Request) -> str | None:
     return key.strip() or None if scheme.lower() == "bearer" else None
 
 
+def api_key(request: Request) -> str | None:
+    """The key a client presents: OpenAI's clients send it as a Bearer token, Anthropic's as `x-api-key`."""
+    return bearer_key(request) or request.headers.get("x-api-key", "").strip() or None
+
+
 def basic_password(request: Request) -> str | None:
     scheme, _, encoded = request.headers.get("authorization", "").partition(" ")
     if scheme.lower() != "basic":
@@ -49,10 +54,11 @@ class AdmissionGate:
 
     def authenticate(self, request: Request) -> Tenant:
         """The caller's tenant, or 401. Sets request.state.tenant_id for logs and metrics."""
-        key = bearer_key(request)
+        key = api_key(request)
         tenant = self.tenants.authenticate(key)
         if tenant is None:
-            message = ("You didn't provide an API key. Send it as 'Authorization: Bearer KEY'." if key is None
+            message = ("You didn't provide an API key. Send it as 'Authorization: Bearer KEY' or 'x-api-key: KEY'."
+                       if key is None
                        else "Incorrect API key provided.")
             raise APIError(401, message, type=AUTHENTICATION_ERROR, code="invalid_api_key")
         request.state.tenant_id = tenant.tenant_id

@@ -48,6 +48,7 @@ class TextPiece:
     # Of the tokens behind this piece (and behind any text held back before it), when asked for.
     logprobs: tuple[TokenLogprobs, ...] = ()
     prompt_logprobs: tuple[TokenLogprobs, ...] = ()  # on the first piece, for prompt positions 1..
+    stop_string: str | None = None  # on the last piece, the stop string that ended the output if one did
 
 
 class TokenStream(Protocol):
@@ -113,7 +114,7 @@ class TextGeneration:
         matched = self._stops.feed(self._detokenizer.add(self._text_tokens(event)))
         if matched.is_stopped:
             self._stream.close(RequestStatus.FINISHED_STOPPED)
-            return self._piece(matched.text, "stop")
+            return self._piece(matched.text, "stop", matched.stop)
         if event.finish_reason is None:
             return self._piece(matched.text, None) if matched.text else None
         return self._last_piece(matched.text, event.finish_reason)
@@ -126,16 +127,16 @@ class TextGeneration:
             return tokens[:-1]
         return tokens
 
-    def _piece(self, text: str, finish_reason: str | None) -> TextPiece:
+    def _piece(self, text: str, finish_reason: str | None, stop_string: str | None = None) -> TextPiece:
         logprobs, self._held_logprobs = self._held_logprobs, ()
         prompt_logprobs, self._held_prompt_logprobs = self._held_prompt_logprobs, ()
-        return TextPiece(text, finish_reason, logprobs, prompt_logprobs)
+        return TextPiece(text, finish_reason, logprobs, prompt_logprobs, stop_string)
 
     def _last_piece(self, text: str, finish_reason: str) -> TextPiece:
         """The output ended: release what was held back, unless it completes a stop string."""
         tail = self._stops.feed(self._detokenizer.flush())
         if tail.is_stopped:
-            return self._piece(text + tail.text, "stop")
+            return self._piece(text + tail.text, "stop", tail.stop)
         return self._piece(text + tail.text + self._stops.flush(), finish_reason)
 
 
@@ -155,10 +156,11 @@ async def collect(generation: TextGeneration) -> TextPiece:
     logprobs: list[TokenLogprobs] = []
     prompt_logprobs: list[TokenLogprobs] = []
     finish_reason: str | None = None
+    stop_string: str | None = None
     async with aclosing(generation.pieces()) as pieces:
         async for piece in pieces:
             parts.append(piece.text)
             logprobs.extend(piece.logprobs)
             prompt_logprobs.extend(piece.prompt_logprobs)
-            finish_reason = piece.finish_reason
-    return TextPiece("".join(parts), finish_reason, tuple(logprobs), tuple(prompt_logprobs))
+            finish_reason, stop_string = piece.finish_reason, piece.stop_string
+    return TextPiece("".join(parts), finish_reason, tuple(logprobs), tuple(prompt_logprobs), stop_string)

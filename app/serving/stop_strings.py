@@ -17,6 +17,7 @@ class Matched:
 
     text: str
     is_stopped: bool
+    stop: str | None = None  # the stop string met, when is_stopped
 
 
 class StopStringMatcher:
@@ -30,10 +31,11 @@ class StopStringMatcher:
         if not self._stops:
             return Matched(text, False)
         buffer = self._held + text
-        cut = self._earliest_stop(buffer)
-        if cut is not None:
+        earliest = self._earliest_stop(buffer)
+        if earliest is not None:
             self._held = ""
-            return Matched(buffer[:cut], True)
+            cut, stop = earliest
+            return Matched(buffer[:cut], True, stop)
         num_held = self._num_chars_to_hold(buffer)
         self._held = buffer[len(buffer) - num_held:]
         return Matched(buffer[:len(buffer) - num_held], False)
@@ -43,12 +45,15 @@ class StopStringMatcher:
         held, self._held = self._held, ""
         return held
 
-    def _earliest_stop(self, buffer: str) -> int | None:
-        """Where the text must be cut: before the stop string that completes first, as if the text
-        came one character at a time (so token boundaries never change the answer). Of stop strings
-        completing on the same character, the longest wins."""
-        found = [(index + len(stop), index) for stop in self._stops if (index := buffer.find(stop)) >= 0]
-        return min(found)[1] if found else None
+    def _earliest_stop(self, buffer: str) -> tuple[int, str] | None:
+        """Where the text must be cut, and the stop string met there: the one that completes first,
+        as if the text came one character at a time (so token boundaries never change the answer).
+        Of stop strings completing on the same character, the longest wins."""
+        found = [(index + len(stop), index, stop) for stop in self._stops if (index := buffer.find(stop)) >= 0]
+        if not found:
+            return None
+        _, cut, stop = min(found)
+        return cut, stop
 
     def _num_chars_to_hold(self, buffer: str) -> int:
         """The longest tail of buffer that is a proper prefix of some stop string."""

@@ -58,7 +58,7 @@ async def test_a_stop_string_in_a_backlog_stops_the_request(engine: Engine) -> N
     stream = queued_stream(engine, ["one ", "two ", "three"])
     generation = TextGeneration(stream, TOKENIZER, ["two"])
 
-    assert await pieces_of(generation) == [TextPiece("one ", "stop")]
+    assert await pieces_of(generation) == [TextPiece("one ", "stop", stop_string="two")]
     assert stream.is_finished
 
 

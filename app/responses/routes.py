@@ -1,0 +1,157 @@
+"""`/v1/responses` in OpenAI's shapes, so that `client.responses` works.
+
+Create: authenticate -> refuse if draining -> read the body (bounded) -> validate -> start (see
+runs.py) -> the whole response while watching for the client to leave, or its stream events, or,
+for a background one, the queued response at once. A tenant sees and touches only its own stored
+responses: another tenant's id answers 404, the same as an id that does not exist.
+"""
+
+from __future__ import annotations
+
+from pydantic import ValidationError
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from app.openai.routes import CLIENT_CLOSED_STATUS
+from app.openai.schemas import FieldRefused
+from app.openai.submission import shutting_down
+from app.plumbing.asgi import ClientGone, EventStreamResponse, read_body, unless_disconnected
+from app.plumbing.errors import APIError, from_validation_error, json_response
+from app.responses.background import BackgroundResponses
+from app.responses.runs import ResponseRunner
+from app.responses.schemas import ResponsesBody
+from app.responses.store import ResponseStore, StoredResponse
+from app.serving.context import ServingContext
+from app.serving.generation import GenerationFailed
+from tenancy.tenants import Tenant
+
+MAX_LIST_LIMIT = 100
+DEFAULT_LIST_LIMIT = 20
+
+
+class ResponsesRoutes:
+    def __init__(self, context: ServingContext, store: ResponseStore) -> None:
+        self.context = context
+        self.store = store
+        self.runner = ResponseRunner(context, store)
+        self.background = BackgroundResponses(self.runner, store)
+
+    def routes(self) -> list[Route]:
+        return [
+            Route("/v1/responses", self.create, methods=["POST"]),
+            Route("/v1/responses/{response_id}", self.retrieve, methods=["GET"]),
+            Route("/v1/responses/{response_id}", self.delete, methods=["DELETE"]),
+            Route("/v1/responses/{response_id}/cancel", self.cancel, methods=["POST"]),
+            Route("/v1/responses/{response_id}/input_items", self.input_items, methods=["GET"]),
+        ]
+
+    async def create(self, request: Request) -> Response:
+        tenant = self.context.gate.authenticate(request)
+        body = await self._parse(request)
+        run = await self.runner.start(tenant, body)
+        if body.is_background:
+            return json_response(await self.background.launch(run), headers=run.started.headers)
+        if body.stream:
+            return EventStreamResponse(self.runner.events(run), run.started.headers)
+        try:
+            whole = await unless_disconnected(request.receive, self.runner.whole(run))
+        except GenerationFailed as exc:
+            raise self.runner.failure(exc) from None
+        except ClientGone:
+            return Response(status_code=CLIENT_CLOSED_STATUS)
+        return json_response(whole, headers=run.started.headers)
+
+    async def retrieve(self, request: Request) -> Response:
+        tenant = self.context.gate.authenticate(request)
+        if request.query_params.get("stream", "false").lower() not in ("false", "0"):
+            raise APIError(400, "Streaming a stored response again is not supported by this server.",
+                           param="stream", code="unsupported_value")
+        return json_response((await self._own(tenant, request)).response)
+
+    async def delete(self, request: Request) -> Response:
+        tenant = self.context.gate.authenticate(request)
+        response_id = request.path_params["response_id"]
+        if not await self.store.delete(tenant.tenant_id, response_id):
+            raise _no_such(response_id)
+        await self.background.forget(response_id)
+        return json_response({"id": response_id, "object": "response.deleted", "deleted": True})
+
+    async def cancel(self, request: Request) -> Response:
+        tenant = self.context.gate.authenticate(request)
+        response_id = request.path_params["response_id"]
+        cancelled = await self.background.cancel(tenant.tenant_id, response_id)
+        if cancelled is None:
+            raise _no_such(response_id)
+        return json_response(cancelled)
+
+    async def input_items(self, request: Request) -> Response:
+        """The items of the response's conversation (earlier turns included), newest first unless
+        `order=asc`, a page of `limit` after the item `after`."""
+        tenant = self.context.gate.authenticate(request)
+        items = (await self._own(tenant, request)).items
+        limit, order, after = _list_params(request)
+        if order == "desc":
+            items = items[::-1]
+        if after is not None:
+            position = next((i for i, item in enumerate(items) if item["id"] == after), None)
+            if position is None:
+                raise APIError(400, f"No item '{after}' in this response's input items.", param="after")
+            items = items[position + 1:]
+        page = items[:limit]
+        return json_response({"object": "list", "data": page, "has_more": len(items) > limit,
+                              "first_id": page[0]["id"] if page else None,
+                              "last_id": page[-1]["id"] if page else None})
+
+    async def _parse(self, request: Request) -> ResponsesBody:
+        if self.context.is_draining:
+            raise shutting_down()
+        raw = await read_body(request, self.context.settings.max_body_bytes)
+        try:
+            body = ResponsesBody.model_validate_json(raw)
+            body.check_fields()
+        except ValidationError as exc:
+            raise _invalid(exc) from None
+        except FieldRefused as exc:
+            raise APIError(400, str(exc), param=exc.param, code=exc.code) from None
+        if body.model != self.context.model_name:
+            raise APIError(404, f"The model '{body.model}' does not exist; this server serves "
+                                f"'{self.context.model_name}'.", param="model", code="model_not_found")
+        return body
+
+    async def _own(self, tenant: Tenant, request: Request) -> StoredResponse:
+        response_id = request.path_params["response_id"]
+        stored = await self.store.get(tenant.tenant_id, response_id)
+        if stored is None:
+            raise _no_such(response_id)
+        return stored
+
+
+def _no_such(response_id: str) -> APIError:
+    return APIError(404, f"No such response: '{response_id}'.", param="response_id", code="not_found")
+
+
+def _invalid(exc: ValidationError) -> APIError:
+    """The 400 of an invalid body, naming its deepest problem: where a field may take several shapes
+    (input: a string or a list of items) the first error is the least telling ("not a string")."""
+    errors = exc.errors(include_url=False)
+    deepest = max(errors, key=lambda error: len(error["loc"]))
+    if len(deepest["loc"]) <= 1 or errors[0]["type"] == "json_invalid":
+        return from_validation_error(exc)
+    # Union members are named in the location ("list[tagged-union[...]]"): they are no field of the body.
+    location = ".".join(str(part) for part in deepest["loc"] if "[" not in str(part))
+    return APIError(400, f"Invalid value for '{location}': {deepest['msg']}", param=str(deepest["loc"][0]),
+                    code="invalid_value")
+
+
+def _list_params(request: Request) -> tuple[int, str, str | None]:
+    """(limit, order, after) of a list request, or the 400 that says which is wrong."""
+    query = request.query_params
+    raw_limit = query.get("limit", str(DEFAULT_LIST_LIMIT))
+    if not raw_limit.isdigit() or not 1 <= int(raw_limit) <= MAX_LIST_LIMIT:
+        raise APIError(400, f"limit must be an integer from 1 to {MAX_LIST_LIMIT}.", param="limit")
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise APIError(400, "order must be 'asc' or 'desc'.", param="order")
+    return int(raw_limit), order, query.get("after")
+

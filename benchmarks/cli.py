@@ -17,6 +17,7 @@ from benchmarks import (
     bench_cluster,
     bench_engine,
     bench_fairness,
+    bench_lora,
     bench_preemption,
     bench_prefix,
     bench_quality,
@@ -29,7 +30,7 @@ from loadtest import bench_serve
 BENCH_COMMANDS: tuple[SubcommandRegistrar, ...] = (
     bench_engine.add_command, bench_stream.add_command, bench_prefix.add_command, bench_fairness.add_command,
     bench_preemption.add_command, bench_scheduler.add_command, bench_quality.add_command, bench_serve.add_command,
-    bench_cluster.add_command)
+    bench_cluster.add_command, bench_lora.add_command)
 
 
 def add_bench_command(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

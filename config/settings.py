@@ -22,6 +22,16 @@ class SettingsError(ValueError):
     """A setting is unknown or invalid; the message names it."""
 
 
+class AdapterEntry(BaseModel):
+    """A LoRA adapter served from start-up: `[[adapters]]` in the settings file (or `--lora-modules`)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str = Field(min_length=1, max_length=256)
+    path: str = Field(min_length=1)
+    tenants: tuple[str, ...] | None = None  # who may use it; None: every tenant
+
+
 class Settings(BaseModel):
     """Every tunable of the server. Frozen: pass it down, never mutate it."""
 
@@ -42,6 +52,14 @@ class Settings(BaseModel):
     compile_cache_dir: str = "./data/compile_cache"
     model_cache_dir: str = "./data/models"
     max_model_len: int | None = Field(default=None, ge=16)
+
+    # LoRA adapters (vLLM's names): one base model, many adapters in one batch (gpu/lora.py, docs/lora.md).
+    enable_lora: bool = False
+    max_loras: int = Field(default=4, ge=1)  # adapter slots on the device
+    max_cpu_loras: int | None = Field(default=None, ge=1)  # adapters kept read in CPU memory (LRU); None: 2 x max_loras
+    max_lora_rank: int = Field(default=16, ge=1, le=512)
+    lora_modules: tuple[str, ...] = ()  # NAME=PATH, each served from start-up to every tenant
+    adapters: tuple[AdapterEntry, ...] = ()  # [[adapters]] tables: name, path and the tenants that may use it
 
     # KV cache and swap.
     block_size: int = Field(default=16, ge=1, le=256)
@@ -118,7 +136,25 @@ class Settings(BaseModel):
     def _check_budgets(self) -> Settings:
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError("max_num_batched_tokens must be >= max_num_seqs (each running sequence decodes)")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError("max_cpu_loras must be >= max_loras (a slot is loaded from the CPU copy)")
+        for module in self.lora_modules:
+            name, _, path = module.partition("=")
+            if not name or not path:
+                raise ValueError(f"lora_modules entry {module!r} must be NAME=PATH")
+        if (self.lora_modules or self.adapters) and not self.enable_lora:
+            raise ValueError("lora_modules and [[adapters]] need enable_lora")
         return self
+
+    @property
+    def cpu_lora_capacity(self) -> int:
+        return self.max_cpu_loras if self.max_cpu_loras is not None else 2 * self.max_loras
+
+    def start_adapters(self) -> tuple[AdapterEntry, ...]:
+        """The adapters served from start-up: --lora-modules (every tenant), then the [[adapters]] tables."""
+        from_flags = tuple(AdapterEntry(name=name, path=path)
+                           for name, _, path in (module.partition("=") for module in self.lora_modules))
+        return from_flags + self.adapters
 
 
 def _coerce_env_value(raw: str) -> Any:

@@ -67,6 +67,24 @@ class SamplingParams:
         return self.needs_history or bool(self.logit_bias) or self.min_p > 0.0
 
 
+BASE_MODEL_SLOT = -1  # a sequence of the base model: no LoRA adapter
+
+
+@dataclass(slots=True, frozen=True)
+class LoraRef:
+    """A LoRA adapter as the runner reads it. `version` grows each time a name is (re)loaded, so an
+    adapter loaded again from a changed folder is never taken for the copy a slot or the CPU cache holds."""
+
+    name: str
+    path: str
+    version: int = 0
+
+    @property
+    def cache_key(self) -> str:
+        """What the prefix-cache salt carries: two adapters, or two versions of one, never share KV."""
+        return f"{self.name}@{self.version}:{self.path}"
+
+
 @dataclass(slots=True)
 class ScheduledSequence:
     """One request's share of a step: a prefill chunk, a resume chunk or a single decode token."""
@@ -82,6 +100,7 @@ class ScheduledSequence:
     # copies the runner may keep.
     prompt_token_ids: tuple[int, ...] = ()
     output_token_ids: tuple[int, ...] = ()
+    lora_slot: int = BASE_MODEL_SLOT  # the device slot of the request's LoRA adapter (see StepPlan.lora_loads)
 
 
 @dataclass(slots=True)
@@ -92,6 +111,9 @@ class StepPlan:
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, cpu block)
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu block, device block)
     finished_request_ids: list[str] = field(default_factory=list)  # runner drops their state
+    # (slot, adapter): LoRA adapters to put in device slots before the forward. A slot named here held
+    # no adapter any sequence of this step uses, so overwriting it is safe.
+    lora_loads: list[tuple[int, LoraRef]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -99,7 +121,7 @@ class StepPlan:
 
     @property
     def is_empty(self) -> bool:
-        return not (self.sequences or self.swap_out or self.swap_in or self.finished_request_ids)
+        return not (self.sequences or self.swap_out or self.swap_in or self.finished_request_ids or self.lora_loads)
 
 
 @dataclass(slots=True, frozen=True)
@@ -123,6 +145,9 @@ class StepResult:
     forward_seconds: float = 0.0  # time inside the model forward (for forward_fraction)
     swap_seconds: float = 0.0  # time spent copying blocks between device and CPU
     recompilations: int = 0  # compilations of the forward this step caused after start-up (should stay 0)
+    # LoRA slots the runner could not load this step (the adapter's folder went bad since it was checked):
+    # (slot, why). The slot is left empty; the scheduler ends that adapter's requests with the reason.
+    failed_lora_loads: tuple[tuple[int, str], ...] = ()
 
 
 @dataclass(slots=True, frozen=True)

@@ -21,12 +21,17 @@ A step without adapter tokens skips the delta altogether.
 from __future__ import annotations
 
 import math
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
+
+from contract.plan import LoraRef
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -209,6 +214,80 @@ class LoraSlots:
         if token_slots is None or bool((token_slots == BASE_SLOT).all()):
             self.rows.mask = None
             return
+        self.select_mixed(token_slots)
+
+    def select_mixed(self, token_slots: torch.Tensor) -> None:
+        """`select` for slots the caller knows hold some adapter token: no look at the device's values."""
         some_layer = next(iter(self.layers.values()))
         columns = torch.arange(self.num_slots * self.max_rank, device=token_slots.device) // self.max_rank
         self.rows.mask = (token_slots[:, None] == columns[None, :]).to(some_layer.lora_a.dtype)
+
+
+@dataclass(slots=True, frozen=True)
+class LoraServing:
+    """How the runner serves adapters: device slots, the rank they are padded to, adapters kept read on the CPU."""
+
+    max_loras: int = 4
+    max_rank: int = 16
+    max_cpu_loras: int = 8
+
+
+class AdapterStore:
+    """Adapters read from their folders and kept on the CPU, least recently used out past `capacity`.
+    The runner's step thread takes adapters from it; the operator endpoint checks a folder through it
+    from another thread, hence the lock (held only around the dictionary, never while reading a folder)."""
+
+    def __init__(self, model: nn.Module, capacity: int, max_rank: int) -> None:
+        self._model, self._capacity, self._max_rank = model, max(1, capacity), max_rank
+        self._read: OrderedDict[LoraRef, LoraAdapter] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, ref: LoraRef) -> LoraAdapter:
+        """The adapter, read from its folder on a miss; AdapterError when the folder cannot be served."""
+        with self._lock:
+            adapter = self._read.get(ref)
+            if adapter is not None:
+                self._read.move_to_end(ref)
+                return adapter
+        adapter = read_adapter(ref.name, Path(ref.path), self._model, self._max_rank)
+        with self._lock:
+            self._read[ref] = adapter
+            while len(self._read) > self._capacity:
+                self._read.popitem(last=False)
+        return adapter
+
+    def forget(self, name: str) -> None:
+        """Drop every read version of an adapter (it was unloaded)."""
+        with self._lock:
+            for ref in [r for r in self._read if r.name == name]:
+                del self._read[ref]
+
+
+class LoraRuntime:
+    """The runner's adapters: the device slots and the CPU store they are loaded from."""
+
+    def __init__(self, model: nn.Module, serving: LoraServing) -> None:
+        self.slots = LoraSlots(model, serving.max_loras, serving.max_rank)
+        self.store = AdapterStore(model, serving.max_cpu_loras, serving.max_rank)
+
+    def load(self, loads: Sequence[tuple[int, LoraRef]]) -> tuple[tuple[int, str], ...]:
+        """Put the plan's adapters into their slots (from the CPU store, reading folders on a miss).
+        Returns the loads that failed, (slot, why), each slot left empty: a folder deleted or broken
+        after it was checked ends that adapter's requests, not the step of everyone else."""
+        failed = []
+        for slot, ref in loads:
+            try:
+                self.slots.place(slot, self.store.get(ref))
+            except AdapterError as exc:
+                self.slots.clear(slot)
+                failed.append((slot, str(exc)))
+        return tuple(failed)
+
+    def select(self, lora_slots: Sequence[int], num_tokens: Sequence[int], device: torch.device) -> None:
+        """Set each packed token's slot from its sequence's (in the packed order); no mask when none has one."""
+        if all(slot == BASE_SLOT for slot in lora_slots):
+            self.slots.select(None)
+            return
+        per_sequence = torch.tensor(list(lora_slots), device=device)
+        lengths = torch.tensor(list(num_tokens), device=device)
+        self.slots.select_mixed(torch.repeat_interleave(per_sequence, lengths, output_size=sum(num_tokens)))

@@ -10,10 +10,11 @@ from dataclasses import dataclass
 import psutil
 import torch
 
-from contract.plan import CacheGeometry, ScheduledSequence, StepPlan, StepResult, StructuredOutput
+from contract.plan import CacheGeometry, LoraRef, ScheduledSequence, StepPlan, StepResult, StructuredOutput
 from gpu.attention import ATTENTION_NAME
 from gpu.compiled import CompileConfig, PackedForward, artifact_folder, use_artifact_folder, warm_up
 from gpu.kv_cache import KVShape, PagedKVCache
+from gpu.lora import LoraRuntime, LoraServing
 from gpu.models import LoadedModel
 from gpu.prompt_logprobs import prompt_logprobs, prompt_rows
 from gpu.sampler import Sampler
@@ -62,10 +63,14 @@ def kv_shape_of(loaded: LoadedModel, block_size: int) -> KVShape:
 class ModelRunner:
     """Owns the model, the KV pools and the sampler. Called from one worker thread only."""
 
-    def __init__(self, loaded: LoadedModel, budget: RunnerBudget, compilation: CompileConfig | None = None) -> None:
+    def __init__(self, loaded: LoadedModel, budget: RunnerBudget, compilation: CompileConfig | None = None,
+                 lora: LoraServing | None = None) -> None:
         self.loaded = loaded
         self.model = loaded.model
         self.model.set_attn_implementation(ATTENTION_NAME)
+        # The adapters wrap the linear layers before the forward is built; None: the base model alone.
+        self.lora = None if lora is None else LoraRuntime(self.model, lora)
+        compilation = self._lora_compilation(compilation or CompileConfig())
         self.device = loaded.device
         shape = kv_shape_of(loaded, budget.block_size)
         max_len = min(loaded.max_model_len, budget.max_model_len or loaded.max_model_len)
@@ -80,7 +85,7 @@ class ModelRunner:
         self.matchers = GrammarMatchers(self.grammars)
         self._geometry = CacheGeometry(self.cache.num_device_blocks, self.cache.num_cpu_blocks,
                                        budget.block_size, shape.bytes_per_block, max_len)
-        self.forward = self._packed_forward(compilation or CompileConfig())
+        self.forward = self._packed_forward(compilation)
         warm_up(self.forward, self.compute_logits, budget.block_size, self.cache.num_device_blocks)
 
     def _packed_forward(self, compilation: CompileConfig) -> PackedForward:
@@ -90,6 +95,26 @@ class ModelRunner:
             use_artifact_folder(folder)
             logger.info("compiled artifacts: %s", folder)
         return PackedForward(self.model, compilation.mode)
+
+    def _lora_compilation(self, compilation: CompileConfig) -> CompileConfig:
+        """Eager under adapters: the per-token slot mask is set on the layers between steps, which a
+        compiled graph would read as a constant (LoRA inside the compiled step is not built yet)."""
+        if self.lora is None or compilation.mode == "eager":
+            return compilation
+        logger.warning("enable_lora: the forward runs eager, not compiled (%s): the LoRA slot mask is not "
+                       "part of the compiled step", compilation.mode)
+        return CompileConfig("eager", compilation.cache_dir)
+
+    def check_adapter(self, adapter: LoraRef) -> None:
+        """Read and check an adapter's folder against the model, keeping it in the CPU store; AdapterError
+        names the file when it cannot be served. Reads files: call it off the event loop."""
+        if self.lora is None:
+            raise ValueError("this runner serves no LoRA adapters (enable_lora is off)")
+        self.lora.store.get(adapter)
+
+    def forget_adapter(self, name: str) -> None:
+        if self.lora is not None:
+            self.lora.store.forget(name)
 
     @property
     def geometry(self) -> CacheGeometry:
@@ -108,9 +133,13 @@ class ModelRunner:
         result = StepResult(swap_seconds=time.perf_counter() - swap_started)
         self.sampler.forget(plan.finished_request_ids)
         self.matchers.forget(plan.finished_request_ids)
+        if self.lora is not None:
+            result.failed_lora_loads = self.lora.load(plan.lora_loads)
         if not plan.sequences:
             return result
         ordered = decodes_first(plan.sequences)
+        if self.lora is not None:
+            self.lora.select([s.lora_slot for s in ordered], [len(s.token_ids) for s in ordered], self.device)
         sampling = [seq for seq in ordered if seq.needs_sample]
         masks = self.matchers.masks(sampling)
         forward_started = time.perf_counter()

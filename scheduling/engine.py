@@ -24,7 +24,7 @@ from scheduling.executor import Executor
 from scheduling.gc_pacing import PacedCollector
 from scheduling.prefix_cache import prompt_block_hashes
 from scheduling.request import Request, RequestId, RequestStatus, TokenEvent
-from scheduling.scheduler import Scheduler, check_admissible
+from scheduling.scheduler import AdmissionError, Scheduler, check_admissible
 from scheduling.snapshot import SchedulerSnapshot, StepCostStats
 from tenancy.tenants import TenantRegistry
 
@@ -323,6 +323,8 @@ class Engine(EngineFront):
         The prompt's block hashes are made here, on the caller's side of the queue (in the server, an
         HTTP handler, while the runner's thread computes a step): a step then never spends its time
         hashing the prompts it admits, which for a long prompt would hold every other stream's token."""
+        if request.adapter is not None and not self.scheduler.config.max_loras:  # refused here, not in the loop
+            raise AdmissionError(f"LoRA adapter '{request.adapter.name}' asked of an engine without LoRA slots")
         stream = self.track(request)
         if self._hash_block_size is not None and not request.prompt_block_hashes:  # a cluster's ingress hashed it
             request.prompt_block_hashes = prompt_block_hashes(request.prompt_token_ids, self._hash_block_size,

@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import NamedTuple, NewType
 
-from contract.plan import SamplingParams, TokenLogprobs
+from contract.plan import BASE_MODEL_SLOT, LoraRef, SamplingParams, TokenLogprobs
 from tenancy.tenants import DEFAULT_TENANT, TenantId
 
 RequestId = NewType("RequestId", str)
@@ -92,6 +92,8 @@ class Request:
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # for prompt positions 1.., when asked
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    adapter: LoraRef | None = None  # the LoRA adapter the request runs on; None for the base model
+    lora_slot: int = BASE_MODEL_SLOT  # the device slot its adapter sits in while it runs (the scheduler's)
     # len(prompt_token_ids), kept as a plain attribute: the scheduler reads it for every running request
     # at every step, and a property costs three times as much.
     num_prompt_tokens: int = field(init=False, default=0)

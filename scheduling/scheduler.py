@@ -18,8 +18,9 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, fields
 from types import MappingProxyType
 
-from contract.plan import CacheGeometry, StepPlan, StepResult, TokenLogprobs
+from contract.plan import BASE_MODEL_SLOT, CacheGeometry, StepPlan, StepResult, TokenLogprobs
 from scheduling.block_manager import KVBlockManager
+from scheduling.lora_residency import LoraResidency
 from scheduling.preemption import PreemptionEvent, PreemptionMode, choose_victim, victims_in_order
 from scheduling.queue import RequestQueue, create_request_queue
 from scheduling.request import PriorityClass, Request, RequestId, RequestStatus, TokenEvent, finish_reason
@@ -60,6 +61,7 @@ class SchedulerConfig:
     kv_share_limit: bool = True  # see Scheduler._over_kv_share
     enable_prefix_caching: bool = True
     shaping: ShapingConfig = field(default_factory=ShapingConfig)
+    max_loras: int = 0  # LoRA adapter slots on the device (scheduling/lora_residency.py); 0: base model only
 
 
 @dataclass(slots=True)
@@ -107,6 +109,7 @@ class Scheduler:
                                    config.kv_share_limit)
         self.shaper = StepShaper(config.shaping, geometry.block_size)
         self._finished_ids: list[str] = []  # told to the runner with the next plan
+        self.lora = LoraResidency(config.max_loras)
 
     # ---- commands -------------------------------------------------------------------------
 
@@ -124,6 +127,8 @@ class Scheduler:
 
     def add_request(self, request: Request) -> None:
         self.check_admissible(request.num_prompt_tokens, request.max_tokens)
+        if request.adapter is not None and not self.config.max_loras:
+            raise AdmissionError(f"LoRA adapter '{request.adapter.name}' asked of an engine without LoRA slots")
         backlogged = self.load.added(request)
         if backlogged is not None:  # newly backlogged: no banked credit for idle time
             self.vtc[request.priority].lift(request.tenant_id, backlogged)
@@ -337,6 +342,8 @@ class Scheduler:
             if len(self.running) >= self.config.max_num_seqs or step.tokens_left <= 0:
                 return False
             num_new = min(request.num_uncomputed_tokens, step.tokens_left)
+            if not self.lora.can_acquire(request.adapter):
+                continue  # every slot is pinned by running requests of other adapters: wait for one
             if not self.blocks.can_swap_in(request, num_new):
                 return False
             num_new = self._shaped(step, request, num_new, InteractiveDemand(),
@@ -348,7 +355,7 @@ class Scheduler:
             step.plan.swap_in.extend(pairs)
             self.counters.blocks_swapped_in += len(pairs)
             self.swapped.remove(request)
-            self._start_running(request)
+            self._start_running(request, step.plan)
             step.add(request, num_new)
         return True
 
@@ -363,7 +370,8 @@ class Scheduler:
                     return True  # only tenants at their limits are left: others may go ahead
                 if len(self.running) >= self.config.max_num_seqs or step.tokens_left <= 0:
                     return False
-                if self.limits.holds_back(request, min(request.num_uncomputed_tokens, step.tokens_left)):
+                if (self.limits.holds_back(request, min(request.num_uncomputed_tokens, step.tokens_left))
+                        or not self.lora.can_acquire(request.adapter)):  # waits for a LoRA slot as for blocks
                     passed_over.add(request.tenant_id)
                     continue
                 if not self._admit(request, step):
@@ -386,11 +394,17 @@ class Scheduler:
         if request.num_preemptions == 0:  # usage reports the first admission's hits
             request.num_cached_tokens = num_cached
             self.vtc[request.priority].charge(request.tenant_id, 0, 0, num_cached_prompt=num_cached)
-        self._start_running(request)
+        self._start_running(request, step.plan)
         step.add(request, num_new)
         return True
 
-    def _start_running(self, request: Request) -> None:
+    def _start_running(self, request: Request, plan: StepPlan) -> None:
+        if request.adapter is not None:  # the caller checked lora.can_acquire
+            grant = self.lora.acquire(request.adapter)
+            assert grant is not None
+            request.lora_slot = grant.slot
+            if grant.needs_load:
+                plan.lora_loads.append((grant.slot, request.adapter))
         request.status = RequestStatus.RUNNING
         self.running.append(request)
         self.load.started_running(request)
@@ -398,6 +412,9 @@ class Scheduler:
     def _stop_running(self, request: Request) -> None:
         self.running.remove(request)
         self.load.stopped_running(request)
+        if request.lora_slot != BASE_MODEL_SLOT:  # a resumed request takes a slot again (maybe another)
+            self.lora.release(request.lora_slot)
+            request.lora_slot = BASE_MODEL_SLOT
 
     def _preempt(self, victim: Request, plan: StepPlan, for_class: PriorityClass) -> None:
         """Swap the victim's KV to the CPU pool; if the pool is full (or swap is off), recompute."""
@@ -429,7 +446,7 @@ class Scheduler:
         Runs for every running request at every step, so the common decode does little, inline: its
         tenant's sampled tokens are counted here and charged once per tenant at the end, and the prefix
         cache is asked to register blocks only when a block was completed."""
-        events: list[TokenEvent] = []
+        events: list[TokenEvent] = self._end_failed_lora_loads(result.failed_lora_loads)
         sampled_by_class: dict[PriorityClass, dict[str, int]] = {c: {} for c in CLASSES}  # per tenant
         requests, block_size, max_model_len = self.requests, self.geometry.block_size, self.geometry.max_model_len
         sampled_tokens, logprobs_of, prompt_logprobs_of = (result.sampled_token_ids, result.logprobs,
@@ -488,15 +505,25 @@ class Scheduler:
         request.num_charged_prompt_tokens = max(request.num_charged_prompt_tokens, end)
         self.vtc[request.priority].charge(request.tenant_id, num_prefill, 0)
 
+    def _end_failed_lora_loads(self, failures: tuple[tuple[int, str], ...]) -> list[TokenEvent]:
+        """End, with the runner's reason, the running requests whose adapter could not be loaded: their
+        tokens of this step came from an empty slot. Everyone else's step stands."""
+        events = []
+        for slot, why in failures:
+            self.lora.empty(slot)
+            for request in [r for r in self.running if r.lora_slot == slot]:
+                events.append(self._error_event(request, f"the LoRA adapter could not be loaded: {why}"))
+        return events
+
+    def _error_event(self, request: Request, message: str) -> TokenEvent:
+        self._finish(request, RequestStatus.FINISHED_ERROR)
+        event = self._event(request, ())
+        return TokenEvent(event.request_id, (), "error", event.num_prompt_tokens, event.num_output_tokens,
+                          event.num_cached_tokens, message)
+
     def fail_all(self, message: str) -> list[TokenEvent]:
         """The executor failed: end every request with an error rather than leave it hanging."""
-        events = []
-        for request in list(self.requests.values()):
-            self._finish(request, RequestStatus.FINISHED_ERROR)
-            event = self._event(request, ())
-            events.append(TokenEvent(event.request_id, (), "error", event.num_prompt_tokens,
-                                     event.num_output_tokens, event.num_cached_tokens, message))
-        return events
+        return [self._error_event(request, message) for request in list(self.requests.values())]
 
     def _finish(self, request: Request, status: RequestStatus) -> str | None:
         """End the request with a finished status; its OpenAI finish_reason."""

@@ -33,7 +33,7 @@ class StepBuilder:
         if block_table is None:
             block_table = self.blocks.block_table(request.request_id)
         sequence = ScheduledSequence(request.request_id, token_ids[start:start + num_new], start, block_table,
-                                     needs_sample, sampling)
+                                     needs_sample, sampling, lora_slot=request.lora_slot)
         if sampling.carries_tokens:
             self._attach_tokens(sequence, request)
         self.plan.sequences.append(sequence)
@@ -44,7 +44,8 @@ class StepBuilder:
     def add_decodes(self, requests: list[Request], block_tables: list[tuple[int, ...]]) -> None:
         """`add(request, 1, table)` for interactive requests decoding one token each: the bulk of a busy
         step, built in one comprehension."""
-        added = [ScheduledSequence(r.request_id, r.token_ids[-1:], r.num_computed_tokens, table, True, r.sampling)
+        added = [ScheduledSequence(r.request_id, r.token_ids[-1:], r.num_computed_tokens, table, True, r.sampling,
+                                   lora_slot=r.lora_slot)
                  for r, table in zip(requests, block_tables, strict=True)]
         for sequence, request in zip(added, requests, strict=True):
             if request.sampling.carries_tokens:

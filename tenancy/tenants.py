@@ -19,6 +19,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NewType
 
+from pydantic import ValidationError
+
+from config.settings import AdapterEntry
+
 TenantId = NewType("TenantId", str)
 DEFAULT_TENANT = TenantId("default")
 PRIORITY_CLASSES = ("interactive", "batch")
@@ -48,13 +52,14 @@ class Tenant:
     limits: TenantLimits = field(default_factory=TenantLimits)
     cache_group: str | None = None  # tenants naming the same group share prefix-cache entries
 
-    def cache_salt_for(self, request_salt: str | None = None) -> str:
-        """The prefix-cache salt of this tenant's request: its cache group or itself, and the request's
-        own salt, JSON-encoded so that no tenant id or salt can be made to read as another's
-        (a `|`-joined string let the tenant 'a|request:b' share the salted prefix of tenant 'a'
-        with salt 'b')."""
+    def cache_salt_for(self, request_salt: str | None = None, adapter: str | None = None) -> str:
+        """The prefix-cache salt of this tenant's request: its cache group or itself, the request's
+        own salt, and its LoRA adapter when it has one (two adapters never share KV), JSON-encoded so
+        that no tenant id or salt can be made to read as another's (a `|`-joined string let the tenant
+        'a|request:b' share the salted prefix of tenant 'a' with salt 'b')."""
         owner = ["group", self.cache_group] if self.cache_group else ["tenant", self.tenant_id]
-        return json.dumps([*owner, request_salt], ensure_ascii=False, separators=(",", ":"))
+        parts = [*owner, request_salt] if adapter is None else [*owner, request_salt, "adapter", adapter]
+        return json.dumps(parts, ensure_ascii=False, separators=(",", ":"))
 
 
 def hash_api_key(key: str) -> str:
@@ -68,9 +73,10 @@ def new_api_key() -> str:
 class TenantRegistry:
     """Looks tenants up by id and by API key. Keys are compared in constant time."""
 
-    def __init__(self, tenants: Iterable[Tenant], *, requires_auth: bool, admin_key_hashes: Iterable[str] = ()
-                 ) -> None:
+    def __init__(self, tenants: Iterable[Tenant], *, requires_auth: bool, admin_key_hashes: Iterable[str] = (),
+                 adapters: Iterable[AdapterEntry] = ()) -> None:
         self._tenants = {t.tenant_id: t for t in tenants}
+        self.adapters = tuple(adapters)  # the file's [[adapters]]: LoRA adapters and the tenants that may use them
         self._weights: dict[str, float] = {t.tenant_id: t.weight for t in self._tenants.values()}  # per tenant per step
         self.requires_auth = requires_auth
         self._key_hashes = [(h.encode(), t) for t in self._tenants.values() for h in t.api_key_hashes]
@@ -196,7 +202,8 @@ def load_tenants(path: str | Path) -> TenantRegistry:
         raise TenantsFileError(f"tenants file {path}: expected one or more [[tenants]] entries")
     tenants = [parse_tenant(i, data) for i, data in enumerate(entries)]
     check_unique_ids(tenants)
-    return TenantRegistry(tenants, requires_auth=True, admin_key_hashes=_parse_admin(document.get("admin")))
+    return TenantRegistry(tenants, requires_auth=True, admin_key_hashes=_parse_admin(document.get("admin")),
+                          adapters=_parse_adapters(document.get("adapters", [])))
 
 
 def check_unique_ids(tenants: Iterable[Tenant]) -> None:
@@ -205,6 +212,20 @@ def check_unique_ids(tenants: Iterable[Tenant]) -> None:
         if tenant.tenant_id in seen:
             raise TenantsFileError(f"tenants[{i}]: 'id' '{tenant.tenant_id}' appears twice")
         seen.add(tenant.tenant_id)
+
+
+def _parse_adapters(raw: Any) -> tuple[AdapterEntry, ...]:
+    """[[adapters]] entries: name, path, and the ids of the tenants that may use the adapter (all when absent)."""
+    if not isinstance(raw, list):
+        raise TenantsFileError("adapters: must be [[adapters]] tables")
+    entries = []
+    for index, data in enumerate(raw):
+        try:
+            entries.append(AdapterEntry.model_validate(data))
+        except ValidationError as exc:
+            problem = "; ".join(f"'{'.'.join(map(str, e['loc']))}': {e['msg']}" for e in exc.errors())
+            raise TenantsFileError(f"adapters[{index}]: {problem}") from None
+    return tuple(entries)
 
 
 def _parse_admin(raw: Any) -> tuple[str, ...]:

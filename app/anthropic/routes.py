@@ -35,7 +35,7 @@ from app.openai.schemas import ChatCompletionBody, FieldRefused, NamedToolChoice
 from app.openai.submission import ChoiceStarter, Generations, shutting_down
 from app.openai.tools import ToolCall, ToolStream, parse_output, uses_tools
 from app.plumbing.asgi import ClientGone, EventStreamResponse, read_body, unless_disconnected
-from app.plumbing.errors import APIError, json_response
+from app.plumbing.errors import json_response
 from app.serving.context import ServingContext
 from app.serving.generation import GenerationFailed, TextPiece
 from scheduling.request import PriorityClass
@@ -79,7 +79,7 @@ class AnthropicRoutes:
         chat = self._chat_body(body)
         prompt = await self.starter.chat_prompt(chat)
         await self.starter.check_grammar(chat)
-        head = MessageHead("msg_" + uuid.uuid4().hex, self.context.model_name)
+        head = MessageHead("msg_" + uuid.uuid4().hex, body.model)  # the base model or an adapter
         # Every request of this API is interactive: its service tiers both ask for standard capacity.
         started = self.starter.start(head.id, chat, [prompt], tenant, "messages", PriorityClass.INTERACTIVE)
         if body.stream:
@@ -103,9 +103,7 @@ class AnthropicRoutes:
             raise from_validation_error(exc) from None
         except FieldRefused as exc:
             raise field_refused(exc) from None
-        if body.model != self.context.model_name:
-            raise APIError(404, f"The model '{body.model}' does not exist; this server serves "
-                                f"'{self.context.model_name}'.", param="model", code="model_not_found")
+        self.context.check_model(body.model)  # the base model or a LoRA adapter
         return body
 
     @staticmethod

@@ -116,7 +116,7 @@ class RequestTracer:
     def _usage(self, request: Request, event: TokenEvent) -> dict[str, str | int | tuple[str, ...]]:
         return {
             "fairlane.preemptions": request.num_preemptions,
-            "gen_ai.request.model": self._model_name,
+            "gen_ai.request.model": self._model_name if request.adapter is None else request.adapter.name,
             "gen_ai.request.max_tokens": request.max_tokens,
             "gen_ai.usage.input_tokens": event.num_prompt_tokens,
             "gen_ai.usage.output_tokens": event.num_output_tokens,

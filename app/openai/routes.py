@@ -20,6 +20,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from app.openai.lora_routes import LoraRoutes, adapter_card
 from app.openai.objects import (
     DONE_EVENT,
     ChatChunks,
@@ -45,6 +46,7 @@ from app.openai.tools import (
 )
 from app.plumbing.asgi import ClientGone, EventStreamResponse, read_body, unless_disconnected
 from app.plumbing.errors import APIError, from_validation_error, json_response
+from app.serving.adapters import adapter_of
 from app.serving.context import ServingContext
 from app.serving.generation import GenerationFailed, TextPiece
 from app.serving.items import RetryLater
@@ -85,20 +87,22 @@ class OpenAIRoutes:
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/stats", self.stats, methods=["GET"]),
+            *LoraRoutes(self.context).routes(),
         ]
 
     # ---- models, health, stats ------------------------------------------------------------
 
     async def list_models(self, request: Request) -> Response:
-        self.context.gate.authenticate(request)
-        return json_response({"object": "list", "data": [self._model_card()]})
+        tenant = self.context.gate.authenticate(request)
+        adapters = self.context.adapters.visible_to(tenant) if self.context.adapters is not None else []
+        return json_response({"object": "list",
+                              "data": [self._model_card(), *(adapter_card(self.context, a) for a in adapters)]})
 
     async def retrieve_model(self, request: Request) -> Response:
-        self.context.gate.authenticate(request)
+        tenant = self.context.gate.authenticate(request)
         model_id = request.path_params["model_id"]
-        if model_id != self.context.model_name:
-            raise self._unknown_model(model_id)
-        return json_response(self._model_card())
+        adapter = adapter_of(self.context.adapters, model_id, self.context.model_name, tenant)  # or the 404
+        return json_response(self._model_card() if adapter is None else adapter_card(self.context, adapter))
 
     def _model_card(self) -> dict[str, Any]:
         return {"id": self.context.model_name, "object": "model", "created": self.context.created,
@@ -166,13 +170,8 @@ class OpenAIRoutes:
         return self._served_model(body)
 
     def _served_model(self, body: BodyT) -> BodyT:
-        if body.model != self.context.model_name:
-            raise self._unknown_model(body.model)
+        self.context.check_model(body.model)
         return body
-
-    def _unknown_model(self, model: str) -> APIError:
-        return APIError(404, f"The model '{model}' does not exist; this server serves "
-                             f"'{self.context.model_name}'.", param="model", code="model_not_found")
 
     @staticmethod
     async def _tokenize(encode: Callable[[Any], list[int]], text: Any, num_chars: int) -> list[int]:
@@ -186,7 +185,7 @@ class OpenAIRoutes:
         completion_id = flavor.id_prefix + uuid.uuid4().hex
         started = self.starter.start(completion_id, body, prompts, tenant, flavor.prompt_param,
                                      self._priority_of(body))
-        envelope = Envelope(completion_id, int(time.time()), self.context.model_name, body.service_tier)
+        envelope = Envelope(completion_id, int(time.time()), body.model, body.service_tier)
         logprobs = self._logprobs_format(body)
         if body.is_stream:
             shape = StreamShape(body.include_usage, body.continuous_usage, logprobs)
@@ -236,7 +235,7 @@ class OpenAIRoutes:
             await self.starter.check_grammar(body)
             started = self.starter.start(completion_id, body, await self._prompts_of(body), tenant,
                                          flavor.prompt_param, PriorityClass.BATCH)
-            envelope = Envelope(completion_id, int(time.time()), self.context.model_name, body.service_tier)
+            envelope = Envelope(completion_id, int(time.time()), body.model, body.service_tier)
             return 200, completion_id, await self._whole(started, body, envelope, flavor)
         except GenerationFailed as exc:
             if self.context.is_draining or exc.status == 503:

@@ -13,6 +13,7 @@ from app.openai.sampling import sampling_params, structured_from_response_format
 from app.openai.schemas import ChatCompletionBody, CompletionBody, GenerationBody
 from app.openai.tools import ToolStream, template_messages, template_tools, uses_tools
 from app.plumbing.errors import SERVER_ERROR, APIError
+from app.serving.adapters import adapter_of
 from app.serving.admission import RATE_LIMIT_ERROR
 from app.serving.choices import ChoiceSet, DeferredStream
 from app.serving.context import ServingContext
@@ -107,7 +108,8 @@ class ChoiceStarter:
         stop_token_ids = self._stop_token_ids(body)
         if sampling.min_tokens:
             sampling = replace(sampling, min_tokens_banned=tuple(sorted(stop_token_ids)))
-        salt = tenant.cache_salt_for(body.cache_salt)
+        adapter = adapter_of(self.context.adapters, body.model, self.context.model_name, tenant)
+        salt = tenant.cache_salt_for(body.cache_salt, None if adapter is None else adapter.cache_key)
         per_prompt = body.num_generations
         requests = []
         for index in range(len(prompts) * per_prompt):
@@ -117,7 +119,7 @@ class ChoiceStarter:
             seeded = sampling if sampling.seed is None else replace(sampling, seed=sampling.seed + index % per_prompt)
             requests.append(EngineRequest(RequestId(request_id), prompt, self._max_tokens(body, len(prompt)), seeded,
                                           stop_token_ids=stop_token_ids, tenant_id=tenant.tenant_id,
-                                          priority=priority, cache_salt=salt))
+                                          priority=priority, cache_salt=salt, adapter=adapter))
         return requests
 
     def _stop_token_ids(self, body: GenerationBody) -> frozenset[int]:

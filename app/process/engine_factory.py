@@ -6,6 +6,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from config.settings import Settings
 from gpu.compiled import CompileConfig
+from gpu.lora import LoraServing
 from gpu.models import LoadedModel, load_model
 from gpu.runner import ModelRunner, RunnerBudget
 from scheduling.engine import Engine
@@ -25,7 +26,14 @@ def build_runner(settings: Settings, loaded: LoadedModel) -> ModelRunner:
                           swap_space_bytes=settings.swap_space_bytes, max_model_len=settings.max_model_len,
                           seed=settings.seed, kv_cache_memory_fraction=settings.kv_cache_memory_fraction,
                           max_num_seqs=settings.max_num_seqs)
-    return ModelRunner(loaded, budget, CompileConfig(settings.compile_mode, settings.compile_cache_dir))
+    return ModelRunner(loaded, budget, CompileConfig(settings.compile_mode, settings.compile_cache_dir),
+                       lora_serving_of(settings))
+
+
+def lora_serving_of(settings: Settings) -> LoraServing | None:
+    if not settings.enable_lora:
+        return None
+    return LoraServing(settings.max_loras, settings.max_lora_rank, settings.cpu_lora_capacity)
 
 
 def scheduler_config_of(settings: Settings) -> SchedulerConfig:
@@ -37,7 +45,8 @@ def scheduler_config_of(settings: Settings) -> SchedulerConfig:
                            batch_min_share=settings.batch_min_share,
                            service_weights=weights,
                            enable_prefix_caching=settings.enable_prefix_caching,
-                           shaping=shaping_config_of(settings))
+                           shaping=shaping_config_of(settings),
+                           max_loras=settings.max_loras if settings.enable_lora else 0)
 
 
 def shaping_config_of(settings: Settings) -> ShapingConfig:

@@ -27,10 +27,18 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compile", dest="compile_mode", choices=["eager", "default", "max"],
                         help="the forward run eagerly or compiled by inductor (default; max: frozen "
                              "weights and autotuned GEMMs); compiled at start-up, cached on disk")
+    parser.add_argument("--enable-lora", action="store_true", default=None,
+                        help="serve LoRA adapters (peft folders) next to the base model; the forward runs eager")
+    parser.add_argument("--max-loras", type=int, help="adapter slots on the device (default 4)")
+    parser.add_argument("--max-cpu-loras", type=int, help="adapters kept read in CPU memory (default 2 x max-loras)")
+    parser.add_argument("--max-lora-rank", type=int, help="the largest adapter rank served (default 16)")
+    parser.add_argument("--lora-modules", nargs="+", action="extend", metavar="NAME=PATH",
+                        help="an adapter served from start-up to every tenant; repeatable")
 
 
 MODEL_FLAG_KEYS = ("model", "device", "dtype", "quantization", "max_num_seqs", "max_num_batched_tokens",
-                   "kv_cache_bytes", "kv_cache_memory_fraction", "block_size", "compile_mode")
+                   "kv_cache_bytes", "kv_cache_memory_fraction", "block_size", "compile_mode",
+                   "enable_lora", "max_loras", "max_cpu_loras", "max_lora_rank", "lora_modules")
 
 
 def settings_from_args(args: argparse.Namespace, extra_keys: Sequence[str] = ()) -> Settings:

@@ -114,9 +114,7 @@ class ResponsesRoutes:
             raise _invalid(exc) from None
         except FieldRefused as exc:
             raise APIError(400, str(exc), param=exc.param, code=exc.code) from None
-        if body.model != self.context.model_name:
-            raise APIError(404, f"The model '{body.model}' does not exist; this server serves "
-                                f"'{self.context.model_name}'.", param="model", code="model_not_found")
+        self.context.check_model(body.model)  # the base model or a LoRA adapter
         return body
 
     async def _own(self, tenant: Tenant, request: Request) -> StoredResponse:

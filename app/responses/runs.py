@@ -67,7 +67,7 @@ class ResponseRunner:
     async def start(self, tenant: Tenant, body: ResponsesBody) -> ResponseRun:
         """Admit and submit the response's generation, or raise the APIError to answer instead."""
         items = await self._conversation(tenant, body)
-        return await self.start_conversation(tenant, ResponseHead(new_id("resp_"), self.context.model_name, body),
+        return await self.start_conversation(tenant, ResponseHead(new_id("resp_"), body.model, body),
                                              items)
 
     async def start_conversation(self, tenant: Tenant, head: ResponseHead, items: list[dict[str, Any]]

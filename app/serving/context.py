@@ -6,8 +6,9 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
+from app.serving.adapters import AdapterReader, AdapterRegistry, unknown_model
 from app.serving.admission import AdmissionGate
-from config.settings import Settings
+from config.settings import Settings, SettingsError
 from contract.plan import CacheGeometry
 from gpu.tokenizer import Tokenizer
 from scheduling.engine import EngineFront
@@ -24,9 +25,30 @@ class ServingContext:
     # On a cluster's ingress: each replica's latest snapshot, for /metrics (this engine never steps).
     replica_snapshots: Callable[[], Mapping[str, SchedulerSnapshot]] | None = None
     gate: AdmissionGate = field(init=False)  # authentication, class rights and quotas, per the engine's tenants
+    adapters: AdapterRegistry | None = field(init=False)  # the LoRA adapters served; None without enable_lora
 
     def __post_init__(self) -> None:
         self.gate = AdmissionGate(self.engine.tenants, self.engine)
+        self.adapters = self._adapter_registry()
+
+    def _adapter_registry(self) -> AdapterRegistry | None:
+        """With enable_lora, the adapters of the settings (--lora-modules, [[adapters]]) and of the tenants
+        file, each folder read and checked now: a bad one stops the start with an error naming its file."""
+        if not self.settings.enable_lora:
+            return None
+        reader = self.engine.executor
+        if not isinstance(reader, AdapterReader):
+            raise SettingsError("enable_lora needs the in-process model runner")
+        tenants = self.engine.tenants
+        return AdapterRegistry.at_start(reader, (*self.settings.start_adapters(), *tenants.adapters),
+                                        requires_auth=tenants.requires_auth)
+
+    def check_model(self, model: str) -> None:
+        """The 404 of a model this server does not serve: neither the base model nor an adapter. Whether
+        the tenant may use the adapter is asked when its requests are built (app/openai/submission.py),
+        with this same 404."""
+        if model != self.model_name and (self.adapters is None or not self.adapters.is_served(model)):
+            raise unknown_model(model, self.model_name)
 
     @property
     def model_name(self) -> str:

@@ -4,6 +4,7 @@ different adapters and of the base model mix in one forward, and a bad folder is
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -11,9 +12,19 @@ import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 
-from gpu.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, BASE_SLOT, AdapterError, LoraSlots, read_adapter
+from gpu.compiled import CompileConfig
+from gpu.lora import (
+    ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
+    BASE_SLOT,
+    AdapterError,
+    LoraServing,
+    LoraSlots,
+    read_adapter,
+)
 from gpu.models import load_model
 from gpu.quantization import quantize_linears
+from gpu.runner import ModelRunner, RunnerBudget, kv_shape_of
 from tests.gpu.reference import byte_prompt
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -153,3 +164,14 @@ def test_bad_adapter_folders_are_errors_that_name_the_file(adapters: dict[str, t
     small = load_model("builtin:small", device="cpu", dtype="float32").model
     with pytest.raises(AdapterError, match="the base model needs"):
         read_adapter("two", source, small, max_rank=8)
+
+
+def test_a_runner_with_lora_runs_eager_and_says_why(caplog: pytest.LogCaptureFixture) -> None:
+    loaded = load_model("builtin:tiny", device="cpu", dtype="float32")
+    budget = RunnerBudget(block_size=16, kv_cache_bytes=32 * kv_shape_of(loaded, 16).bytes_per_block,
+                          swap_space_bytes=0)
+    with caplog.at_level(logging.WARNING, logger="gpu.runner"):
+        runner = ModelRunner(loaded, budget, CompileConfig("max"), LoraServing(max_loras=2, max_rank=8))
+    assert runner.forward.mode == "eager" and not runner.forward.is_compiled
+    assert "enable_lora: the forward runs eager" in caplog.text
+    assert runner.lora is not None and len(runner.lora.slots.layers) == 7 * loaded.model.config.num_hidden_layers

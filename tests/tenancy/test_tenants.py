@@ -236,3 +236,15 @@ def test_the_admin_table_holds_operator_keys(tmp_path: Path) -> None:
     path.write_text('[admin]\nkeys = ["x"]\n\n[[tenants]]\nid = "a"\n')
     with pytest.raises(TenantsFileError, match="admin"):
         load_tenants(path)
+
+
+def test_adapters_of_the_tenants_file(tmp_path: Path) -> None:
+    path = tmp_path / "tenants.toml"
+    path.write_text('[[tenants]]\nid = "acme"\n\n[[adapters]]\nname = "support"\npath = "/a/support"\n'
+                    'tenants = ["acme"]\n\n[[adapters]]\nname = "open"\npath = "/a/open"\n')
+    adapters = load_tenants(path).adapters
+    assert [(a.name, a.path, a.tenants) for a in adapters] == [("support", "/a/support", ("acme",)),
+                                                                ("open", "/a/open", None)]
+    path.write_text('[[tenants]]\nid = "acme"\n\n[[adapters]]\nname = "x"\n')
+    with pytest.raises(TenantsFileError, match=r"adapters\[0\]: 'path'"):
+        load_tenants(path)

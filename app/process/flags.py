@@ -25,8 +25,8 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
                         help="the KV pool's share of the memory free after loading, without --kv-cache-bytes")
     parser.add_argument("--block-size", type=int)
     parser.add_argument("--compile", dest="compile_mode", choices=["eager", "default", "max"],
-                        help="the forward run eagerly or compiled by inductor (default; max: frozen "
-                             "weights and autotuned GEMMs); compiled at start-up, cached on disk")
+                        help="the forward run eagerly or compiled by inductor (default; max: autotuned "
+                             "GEMMs and a C++ wrapper); compiled at start-up, cached on disk")
     parser.add_argument("--enable-lora", action="store_true", default=None,
                         help="serve LoRA adapters (peft folders) next to the base model; the forward runs eager")
     parser.add_argument("--max-loras", type=int, help="adapter slots on the device (default 4)")

@@ -6,34 +6,54 @@ and the end of a generation never overwrite each other, whichever is written fir
 items, a background response survives a restart: one a stopped (or killed) server left active is
 started again from its stored request and conversation when the next server starts; while the engine
 or the tenant's quota turns it away, it stays queued and is tried again.
+
+One created with `stream: true` also writes its events into a log (app/responses/replay.py) that its
+client follows and that a client of the same tenant can re-attach to (GET ?stream=true); leaving the
+stream does not stop the generation, only a cancel does. Its last events are published once the final
+response is stored, so that a reader who has seen the end finds it stored. One that runs again after a
+restart streams anew: its events are numbered from 0 again.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Coroutine
+from collections.abc import AsyncGenerator, Coroutine
+from contextlib import aclosing
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import ValidationError
 
 from app.batch.uploads import storage_errors
 from app.plumbing.errors import APIError
+from app.responses.events import ResponseEvents, rebuilt_events
 from app.responses.objects import ResponseHead, failed
+from app.responses.replay import EventLog, EventLogs
 from app.responses.runs import ResponseRun, ResponseRunner
 from app.responses.schemas import ResponsesBody
-from app.responses.store import ResponseStore, UnfinishedResponse
+from app.responses.store import ResponseStore, StoredResponse, UnfinishedResponse
 from app.serving.generation import GenerationFailed
+from tenancy.tenants import Tenant
 
 logger = logging.getLogger(__name__)
 RETRY_DELAY_S = 1.0
 BUSY_STATUSES = (429, 503)  # the tenant's quota or the server is full for now: wait, not fail
 
 
+@dataclass(slots=True)
+class EventStream:
+    """A streamed background response's events: what numbers them, and the log its readers follow."""
+
+    events: ResponseEvents
+    log: EventLog
+
+
 class BackgroundResponses:
     def __init__(self, runner: ResponseRunner, store: ResponseStore) -> None:
         self.runner = runner
         self.store = store
+        self.logs = EventLogs()
         self._runs: dict[str, tuple[asyncio.Task[None], ResponseHead]] = {}  # by response id, while running
 
     async def start(self) -> None:
@@ -45,7 +65,8 @@ class BackgroundResponses:
                     **unfinished.stored.response, "status": "failed",
                     "error": {"code": "server_error", "message": "The server restarted and cannot run it again."}})
             else:
-                self._spawn(head, self._resume(unfinished, head))
+                stream = self._open_stream(head) if head.body.is_streamed else None
+                self._spawn(head, self._resume(unfinished, head, stream))
 
     async def stop(self) -> None:
         """Cancel the running ones; they stay active in the store, for the next server to run again."""
@@ -56,16 +77,33 @@ class BackgroundResponses:
 
     async def launch(self, run: ResponseRun) -> dict[str, Any]:
         """Store the response as queued and leave its generation to a task; the queued response."""
-        queued = run.head.render("queued")
-        request = run.head.body.model_dump_json(by_alias=True, exclude_none=True)
-        try:
-            with storage_errors("the response"):
-                await self.store.add(run.tenant.tenant_id, queued, run.items, request)
-        except APIError:
-            run.started.choices.generations[0].close()  # nobody could ever read it: abort the request
-            raise
+        queued = await self._store_queued(run)
         self._spawn(run.head, self._run(run))
         return queued
+
+    async def launch_streamed(self, run: ResponseRun) -> EventLog:
+        """As `launch`, the generation's events written into a log for the client to follow; the log,
+        which holds `response.created` (queued) already."""
+        await self._store_queued(run)
+        stream = self._open_stream(run.head)
+        self._spawn(run.head, self._run_streamed(run, stream))
+        return stream.log
+
+    def events_after(self, stored: StoredResponse, starting_after: int | None) -> AsyncGenerator[bytes, None]:
+        """The stream of a background response created with stream=true, from the event after
+        `starting_after`: its kept events, then the new ones until it ends; rebuilt from the stored
+        response once they are no longer kept. Any other response is a 400, as OpenAI answers."""
+        response = stored.response
+        if not response.get("background"):
+            raise APIError(400, "This response cannot be streamed because it was not created with background=true.",
+                           param="stream")
+        if not _was_streamed(stored):
+            raise APIError(400, "This response cannot be streamed because it was not created with stream=true.",
+                           param="stream")
+        log = self.logs.get(response["id"])
+        if log is None:  # its events were dropped, or it finished before a restart
+            log = EventLog.ended(rebuilt_events(response))
+        return log.frames_after(starting_after)
 
     async def cancel(self, tenant_id: str, response_id: str) -> dict[str, Any] | None:
         """The response after a cancel (None: no such response of this tenant). A finished one is
@@ -82,29 +120,64 @@ class BackgroundResponses:
         return current
 
     async def forget(self, response_id: str) -> None:
-        """Stop a response's generation, if it is running (it is cancelled or deleted)."""
+        """Stop a response's generation, if it is running (it is cancelled or deleted); its stream ends."""
         running = self._runs.pop(response_id, None)
         if running is not None:
             running[0].cancel()
             await asyncio.gather(running[0], return_exceptions=True)
+        self.logs.end(response_id)
+
+    async def discard(self, response_id: str) -> None:
+        """A deleted response: its generation stopped and its events dropped."""
+        await self.forget(response_id)
+        self.logs.drop(response_id)
+
+    async def _store_queued(self, run: ResponseRun) -> dict[str, Any]:
+        queued = run.head.render("queued")
+        request = run.head.body.model_dump_json(by_alias=True, exclude_none=True)
+        try:
+            with storage_errors("the response"):
+                await self.store.add(run.tenant.tenant_id, queued, run.items, request)
+        except APIError:
+            run.started.choices.generations[0].close()  # nobody could ever read it: abort the request
+            raise
+        return queued
+
+    def _open_stream(self, head: ResponseHead) -> EventStream:
+        events = ResponseEvents(head)
+        log = self.logs.open(head.id)
+        log.append(events.queued_opening())
+        return EventStream(events, log)
 
     def _spawn(self, head: ResponseHead, work: Coroutine[Any, Any, None]) -> None:
-        self._runs[head.id] = (asyncio.create_task(work, name=f"fairlane-{head.id}"), head)
+        task = asyncio.create_task(work, name=f"fairlane-{head.id}")
+        # A callback, not a `finally` in the work: it runs even for a task cancelled before it started.
+        task.add_done_callback(lambda _: self._ended(head.id))
+        self._runs[head.id] = (task, head)
 
-    async def _resume(self, unfinished: UnfinishedResponse, head: ResponseHead) -> None:
+    def _ended(self, response_id: str) -> None:
+        """However its task ended, the response no longer runs here, and its log (if any) ends."""
+        self._runs.pop(response_id, None)
+        self.logs.end(response_id)
+
+    async def _resume(self, unfinished: UnfinishedResponse, head: ResponseHead, stream: EventStream | None) -> None:
         tenant = self.runner.context.engine.tenants.get(unfinished.tenant)
+        try:
+            run = await self._start_again(tenant, head, unfinished.stored.items)
+        except APIError as exc:
+            await self._fail(head, exc.message, stream)
+            return
+        await (self._run(run) if stream is None else self._run_streamed(run, stream))
+
+    async def _start_again(self, tenant: Tenant, head: ResponseHead, items: list[dict[str, Any]]) -> ResponseRun:
+        """Start its generation, waiting while the engine or the tenant's quota turns it away."""
         while True:
             try:
-                run = await self.runner.start_conversation(tenant, head, unfinished.stored.items)
+                return await self.runner.start_conversation(tenant, head, items)
             except APIError as exc:
-                if exc.status in BUSY_STATUSES:
-                    await asyncio.sleep(RETRY_DELAY_S)
-                    continue
-                await self._record(head.id, failed(head, exc.message))
-                self._runs.pop(head.id, None)
-                return
-            await self._run(run)
-            return
+                if exc.status not in BUSY_STATUSES:
+                    raise
+            await asyncio.sleep(RETRY_DELAY_S)
 
     async def _run(self, run: ResponseRun) -> None:
         marker = asyncio.create_task(self._mark_in_progress(run))
@@ -116,18 +189,64 @@ class BackgroundResponses:
             response = failed(run.head, self.runner.failure(exc).message)
         finally:
             marker.cancel()
-            self._runs.pop(run.head.id, None)
         await self._record(run.head.id, response)
 
-    async def _record(self, response_id: str, response: dict[str, Any]) -> None:
+    async def _run_streamed(self, run: ResponseRun, stream: EventStream) -> None:
+        marker = asyncio.create_task(self._mark_in_progress(run))
         try:
-            await self.store.move(None, response_id, response)
+            await self._publish(run, stream)
+        except GenerationFailed as exc:
+            if self.runner.context.is_draining:
+                return  # as in _run; its stream ends without an end event
+            await self._fail(run.head, self.runner.failure(exc).message, stream)
+        finally:
+            marker.cancel()
+
+    async def _publish(self, run: ResponseRun, stream: EventStream) -> None:
+        """Write the generation's events into the log as they come. Raises GenerationFailed."""
+        async with aclosing(self.runner.event_batches(run, stream.events)) as batches:
+            async for batch in batches:
+                if stream.events.response is None:
+                    stream.log.append(batch)
+                else:
+                    await self._publish_end(run.head.id, stream, batch)
+
+    async def _fail(self, head: ResponseHead, message: str, stream: EventStream | None) -> None:
+        if stream is None:
+            await self._record(head.id, failed(head, message))
+        else:
+            await self._publish_end(head.id, stream, stream.events.fail(message, "server_error"))
+
+    async def _publish_end(self, response_id: str, stream: EventStream, batch: list[bytes]) -> None:
+        """Store the final response, then publish the batch that ends the stream: a reader who has seen
+        the end finds it stored. A cancel stored first wins: the stream then ends without these."""
+        assert stream.events.response is not None, "only the batch that ends the response is published last"
+        if await self._record(response_id, stream.events.response):
+            stream.log.append(batch)
+
+    async def _record(self, response_id: str, response: dict[str, Any]) -> bool:
+        """Store the response's new status; False if the stored one had already ended (cancelled or
+        deleted meanwhile)."""
+        try:
+            _, moved = await self.store.move(None, response_id, response)
         except Exception:  # nobody waits on this task: the log is told
             logger.exception("background response %s could not be stored", response_id)
+            return True  # the storing failed, not the response: its readers still get its end
+        return moved
 
     async def _mark_in_progress(self, run: ResponseRun) -> None:
         await run.started.choices.generations[0].started.wait()
         await self._record(run.head.id, run.head.render("in_progress"))
+
+
+def _was_streamed(stored: StoredResponse) -> bool:
+    """Whether the response was created with stream=true, as its stored request says."""
+    if stored.request is None:
+        return False
+    try:
+        return ResponsesBody.model_validate_json(stored.request).is_streamed
+    except ValidationError:
+        return False
 
 
 def _head_of(unfinished: UnfinishedResponse) -> ResponseHead | None:

@@ -2,8 +2,10 @@
 
 Create: authenticate -> refuse if draining -> read the body (bounded) -> validate -> start (see
 runs.py) -> the whole response while watching for the client to leave, or its stream events, or,
-for a background one, the queued response at once. A tenant sees and touches only its own stored
-responses: another tenant's id answers 404, the same as an id that does not exist.
+for a background one, the queued response at once (with `stream`, its events, which the client may
+leave and re-attach to with GET ?stream=true&starting_after=N; see background.py). A tenant sees and
+touches only its own stored responses: another tenant's id answers 404, the same as an id that does
+not exist, on every path.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from tenancy.tenants import Tenant
 
 MAX_LIST_LIMIT = 100
 DEFAULT_LIST_LIMIT = 20
+STREAM_VALUES = {"true": True, "1": True, "false": False, "0": False}
 
 
 class ResponsesRoutes:
@@ -50,6 +53,9 @@ class ResponsesRoutes:
         tenant = self.context.gate.authenticate(request)
         body = await self._parse(request)
         run = await self.runner.start(tenant, body)
+        if body.is_background and body.is_streamed:
+            log = await self.background.launch_streamed(run)
+            return EventStreamResponse(log.frames_after(None), run.started.headers)
         if body.is_background:
             return json_response(await self.background.launch(run), headers=run.started.headers)
         if body.stream:
@@ -63,18 +69,21 @@ class ResponsesRoutes:
         return json_response(whole, headers=run.started.headers)
 
     async def retrieve(self, request: Request) -> Response:
+        """The stored response; with `stream=true`, its events after `starting_after` (a background
+        response created with stream=true only)."""
         tenant = self.context.gate.authenticate(request)
-        if request.query_params.get("stream", "false").lower() not in ("false", "0"):
-            raise APIError(400, "Streaming a stored response again is not supported by this server.",
-                           param="stream", code="unsupported_value")
-        return json_response((await self._own(tenant, request)).response)
+        is_streamed, starting_after = _stream_params(request)  # checked before the id: a 400 tells nothing of it
+        stored = await self._own(tenant, request)
+        if not is_streamed:
+            return json_response(stored.response)
+        return EventStreamResponse(self.background.events_after(stored, starting_after))
 
     async def delete(self, request: Request) -> Response:
         tenant = self.context.gate.authenticate(request)
         response_id = request.path_params["response_id"]
         if not await self.store.delete(tenant.tenant_id, response_id):
             raise _no_such(response_id)
-        await self.background.forget(response_id)
+        await self.background.discard(response_id)
         return json_response({"id": response_id, "object": "response.deleted", "deleted": True})
 
     async def cancel(self, request: Request) -> Response:
@@ -146,10 +155,27 @@ def _list_params(request: Request) -> tuple[int, str, str | None]:
     """(limit, order, after) of a list request, or the 400 that says which is wrong."""
     query = request.query_params
     raw_limit = query.get("limit", str(DEFAULT_LIST_LIMIT))
-    if not raw_limit.isdigit() or not 1 <= int(raw_limit) <= MAX_LIST_LIMIT:
+    if not _is_non_negative_integer(raw_limit) or not 1 <= int(raw_limit) <= MAX_LIST_LIMIT:
         raise APIError(400, f"limit must be an integer from 1 to {MAX_LIST_LIMIT}.", param="limit")
     order = query.get("order", "desc")
     if order not in ("asc", "desc"):
         raise APIError(400, "order must be 'asc' or 'desc'.", param="order")
     return int(raw_limit), order, query.get("after")
 
+
+def _stream_params(request: Request) -> tuple[bool, int | None]:
+    """(stream, starting_after) of a retrieve request, or the 400 that says which is wrong;
+    starting_after None: from the first event."""
+    query = request.query_params
+    stream = query.get("stream", "false").lower()
+    if stream not in STREAM_VALUES:
+        raise APIError(400, "stream must be 'true' or 'false'.", param="stream")
+    raw_after = query.get("starting_after")
+    if raw_after is not None and not _is_non_negative_integer(raw_after):
+        raise APIError(400, "starting_after must be a non-negative integer: the sequence number of the last "
+                            "event received.", param="starting_after")
+    return STREAM_VALUES[stream], None if raw_after is None else int(raw_after)
+
+
+def _is_non_negative_integer(raw: str) -> bool:
+    return raw.isascii() and raw.isdigit()  # isdigit alone takes '²', which int() refuses

@@ -139,15 +139,22 @@ class ResponseRunner:
         for frame in events.opening():
             yield frame
         try:
-            async with aclosing(run.started.choices.interleaved()) as pieces:
-                async for _, piece in pieces:
-                    for frame in self._piece_events(events, run, piece):
+            async with aclosing(self.event_batches(run, events)) as batches:
+                async for batch in batches:
+                    for frame in batch:
                         yield frame
         except GenerationFailed as exc:
             for frame in events.fail(self.failure(exc).message, "server_error"):
                 yield frame
         if events.response is not None and run.head.body.is_stored:
             await self._store_quietly(run, events.response)
+
+    async def event_batches(self, run: ResponseRun, events: ResponseEvents) -> AsyncGenerator[list[bytes], None]:
+        """The events of each piece the generation makes, `response.in_progress` first unless it was
+        sent; the last batch ends the response (`events.response` is set). Raises GenerationFailed."""
+        async with aclosing(run.started.choices.interleaved()) as pieces:
+            async for _, piece in pieces:
+                yield events.in_progress() + self._piece_events(events, run, piece)
 
     def _piece_events(self, events: ResponseEvents, run: ResponseRun, piece: TextPiece) -> list[bytes]:
         tools = run.tool_stream

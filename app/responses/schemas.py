@@ -243,9 +243,6 @@ class ResponsesBody(StrictModel):
             return
         if self.store is False:
             raise FieldRefused("A background response must be stored: it is polled by its id.", "store")
-        if self.stream:
-            raise Unsupported("'stream' with 'background' is not supported by this server: background "
-                              "responses are polled with GET /v1/responses/{id}", "stream")
 
     def _check_unsupported(self) -> None:
         if self.reasoning is not None and (self.reasoning.effort not in ACCEPTED_REASONING_EFFORTS
@@ -298,3 +295,7 @@ class ResponsesBody(StrictModel):
     @property
     def is_background(self) -> bool:
         return bool(self.background)
+
+    @property
+    def is_streamed(self) -> bool:
+        return bool(self.stream)

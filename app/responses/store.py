@@ -23,6 +23,7 @@ from app.responses.objects import ACTIVE_STATUSES
 class StoredResponse:
     response: dict[str, Any]  # the response object
     items: list[dict[str, Any]]  # the conversation's input items, canonical (app/responses/translate.py)
+    request: str | None = None  # a background response's request body (JSON); None for the others
 
 
 @dataclass(slots=True, frozen=True)
@@ -75,9 +76,9 @@ def _insert(db: sqlite3.Connection, tenant: str, response: dict[str, Any], items
 
 
 def _select(db: sqlite3.Connection, tenant: str, response_id: str) -> StoredResponse | None:
-    row = db.execute("SELECT data, items FROM responses WHERE id = ? AND tenant = ?",
+    row = db.execute("SELECT data, items, request FROM responses WHERE id = ? AND tenant = ?",
                      (response_id, tenant)).fetchone()
-    return StoredResponse(json.loads(row[0]), json.loads(row[1])) if row else None
+    return StoredResponse(json.loads(row[0]), json.loads(row[1]), row[2]) if row else None
 
 
 def _delete(db: sqlite3.Connection, tenant: str, response_id: str) -> bool:

@@ -404,7 +404,7 @@ def test_a_background_response_survives_a_sigkill(tmp_path: Path) -> None:
     served = ServedProcess(env).wait_ready()
     try:
         with openai.OpenAI(base_url=f"{served.base_url}/v1", api_key="unused", max_retries=0) as client:
-            wait_for(lambda: status_of(client, created.id) == "incomplete", timeout=120, what="the run after")
+            wait_for(lambda: status_of(client, created.id) == "incomplete", timeout=300, what="the run after")
             finished = client.responses.retrieve(created.id)
     finally:
         served.process.send_signal(signal.SIGTERM)

@@ -2,16 +2,18 @@
 of rank 8 and 64, in one run: output tokens/s and TTFT per mode, and JSON.
 
 The adapters are made at run time with `peft` on the chosen model (random A and B, a fixed seed) and saved
-to a temporary folder. Each mode runs on a fresh engine; request i of an adapter mode runs on adapter
-i mod n, so every step mixes adapters. An engine with LoRA runs eager (see docs/lora.md), so the base model
-is measured twice: as configured (`base`), and on an engine with LoRA slots where no request uses them
-(`base_lora_engine`), which separates the cost of running eager from the cost of the adapters.
+to a temporary folder. Each mode runs on a fresh engine with as many slots as it has adapters, padded to
+its rank; request i of an adapter mode runs on adapter i mod n, so every step mixes adapters. The base
+model is measured twice: on an engine without LoRA (`base`, compiled as configured), and on one with a
+LoRA slot that no request uses (`base_lora_engine`): an engine with LoRA runs eager (docs/lora.md), so
+that separates the cost of running eager from the cost of the adapters.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import tempfile
 import time
 from dataclasses import dataclass
@@ -130,19 +132,23 @@ def run_bench(args: argparse.Namespace) -> int:
     spec = WorkloadSpec(args.requests, args.seed, (args.prompt_min, args.prompt_max),
                         (args.output_min, args.output_max))
     workload = make_workload(spec)
+    chosen = args.modes.split(",") if args.modes else [m.name for m in MODES]
+    modes = [m for m in MODES if m.name == "base" or m.name in chosen]  # the base: what the rest compare with
+    load_before = os.getloadavg()  # a busy machine slows every mode: the report says how busy
     results: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="fairlane-bench-lora-") as folder:
         most_per_rank: dict[int, int] = {}  # per rank, the most adapters any mode uses: made once
-        for mode in MODES:
+        for mode in modes:
             most_per_rank[mode.rank] = max(most_per_rank.get(mode.rank, 0), mode.num_adapters)
         made = {rank: make_adapters(settings, Path(folder), count, rank, args.seed)
                 for rank, count in most_per_rank.items()}
-        for mode in MODES:
+        for mode in modes:
             adapters = made[mode.rank][:mode.num_adapters] if mode.num_adapters else []
             results[mode.name] = run_mode(settings, mode, workload, adapters)
     print_table(results)
     document = {"model": settings.model, "compile_mode": settings.compile_mode, "requests": args.requests,
-                "seed": args.seed, "modes": results}
+                "seed": args.seed, "modes": results,
+                "load_average": {"before": list(load_before), "after": list(os.getloadavg())}}
     write_report(args.out, document)
     return 0
 
@@ -157,5 +163,7 @@ def add_command(subparsers: argparse._SubParsersAction[argparse.ArgumentParser])
     parser.add_argument("--output-min", type=int, default=32)
     parser.add_argument("--output-max", type=int, default=128)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--modes", help="a comma list of modes to run (default: all; 'base' always runs): "
+                                        + ",".join(m.name for m in MODES))
     parser.add_argument("--out", help="write the results as JSON here")
     parser.set_defaults(handler=run_bench)

@@ -446,7 +446,8 @@ class Scheduler:
         Runs for every running request at every step, so the common decode does little, inline: its
         tenant's sampled tokens are counted here and charged once per tenant at the end, and the prefix
         cache is asked to register blocks only when a block was completed."""
-        events: list[TokenEvent] = self._end_failed_lora_loads(result.failed_lora_loads)
+        events: list[TokenEvent] = self._end_failed_lora_loads(result.failed_lora_loads) \
+            if result.failed_lora_loads else []  # nearly always empty: no call on the common step
         sampled_by_class: dict[PriorityClass, dict[str, int]] = {c: {} for c in CLASSES}  # per tenant
         requests, block_size, max_model_len = self.requests, self.geometry.block_size, self.geometry.max_model_len
         sampled_tokens, logprobs_of, prompt_logprobs_of = (result.sampled_token_ids, result.logprobs,

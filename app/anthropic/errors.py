@@ -19,7 +19,7 @@ from starlette.responses import Response
 
 from app.openai.schemas import FieldRefused
 from app.plumbing.asgi import ClientGone
-from app.plumbing.errors import SERVER_ERROR, APIError, json_response
+from app.plumbing.errors import SERVER_ERROR, APIError, deepest_problem, json_response
 
 logger = logging.getLogger(__name__)
 
@@ -90,22 +90,14 @@ def not_found(request: Request) -> APIError:
 
 
 def from_validation_error(exc: ValidationError) -> APIError:
-    """A 400 naming the offending field as Anthropic does (`messages.0.content.1.text: Field required`).
-    Of several errors the deepest is reported: a content that is neither a string nor a list of
-    blocks fails both ways, and the client meant the one that got further."""
-    errors = exc.errors(include_url=False)
-    first = max(errors, key=lambda error: len(error["loc"]))
-    if first["type"] == "json_invalid":
-        return APIError(400, f"The request body is not valid JSON: {first['msg']}", code="invalid_json")
-    location = ".".join(str(part) for part in first["loc"] if not _is_union_label(part))
-    message = "Extra inputs are not permitted" if first["type"] == "extra_forbidden" else first["msg"]
+    """A 400 naming the offending field as Anthropic does (`messages.0.content.1.text: Field required`)."""
+    location, problem = deepest_problem(exc)
+    if problem["type"] == "json_invalid":
+        return APIError(400, f"The request body is not valid JSON: {problem['msg']}", code="invalid_json")
+    message = "Extra inputs are not permitted" if problem["type"] == "extra_forbidden" else problem["msg"]
     return APIError(400, f"{location}: {message}" if location else message, code="invalid_value")
 
 
 def field_refused(exc: FieldRefused) -> APIError:
     return APIError(400, str(exc), param=exc.param, code=exc.code)
 
-
-def _is_union_label(part: str | int) -> bool:
-    """pydantic names the member of a union it tried (`list[...]`, `str`) in an error's location."""
-    return isinstance(part, str) and ("[" in part or part == "str")

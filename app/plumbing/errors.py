@@ -73,6 +73,21 @@ def from_validation_error(exc: ValidationError) -> APIError:
     return APIError(400, message, param=param, code="invalid_value")
 
 
+def deepest_problem(exc: ValidationError) -> tuple[str, Any]:
+    """(dotted location, error) of the deepest of a body's validation errors. Where a field may take
+    several shapes (a string or a list of blocks), the first error is the least telling ("not a
+    string"): the client meant the shape that got further. pydantic names the union member it tried in
+    the location (`list[...]`, `str`); that is no field of the body, so it is left out."""
+    errors = exc.errors(include_url=False)
+    deepest = max(errors, key=lambda error: len(error["loc"]))
+    location = ".".join(str(part) for part in deepest["loc"] if not _is_union_label(part))
+    return location, deepest
+
+
+def _is_union_label(part: str | int) -> bool:
+    return isinstance(part, str) and ("[" in part or part == "str")
+
+
 async def api_error_handler(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, APIError)
     return json_response(exc.body(), exc.status, exc.headers)

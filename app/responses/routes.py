@@ -19,7 +19,7 @@ from app.openai.routes import CLIENT_CLOSED_STATUS
 from app.openai.schemas import FieldRefused
 from app.openai.submission import shutting_down
 from app.plumbing.asgi import ClientGone, EventStreamResponse, read_body, unless_disconnected
-from app.plumbing.errors import APIError, from_validation_error, json_response
+from app.plumbing.errors import APIError, deepest_problem, from_validation_error, json_response
 from app.responses.background import BackgroundResponses
 from app.responses.runs import ResponseRunner
 from app.responses.schemas import ResponsesBody
@@ -139,15 +139,11 @@ def _no_such(response_id: str) -> APIError:
 
 
 def _invalid(exc: ValidationError) -> APIError:
-    """The 400 of an invalid body, naming its deepest problem: where a field may take several shapes
-    (input: a string or a list of items) the first error is the least telling ("not a string")."""
-    errors = exc.errors(include_url=False)
-    deepest = max(errors, key=lambda error: len(error["loc"]))
-    if len(deepest["loc"]) <= 1 or errors[0]["type"] == "json_invalid":
+    """The 400 of an invalid body, naming its deepest problem (see `deepest_problem`)."""
+    location, problem = deepest_problem(exc)
+    if len(problem["loc"]) <= 1 or exc.errors(include_url=False)[0]["type"] == "json_invalid":
         return from_validation_error(exc)
-    # Union members are named in the location ("list[tagged-union[...]]"): they are no field of the body.
-    location = ".".join(str(part) for part in deepest["loc"] if "[" not in str(part))
-    return APIError(400, f"Invalid value for '{location}': {deepest['msg']}", param=str(deepest["loc"][0]),
+    return APIError(400, f"Invalid value for '{location}': {problem['msg']}", param=str(problem["loc"][0]),
                     code="invalid_value")
 
 

@@ -38,6 +38,7 @@ import torch
 
 from contract.plan import SamplingParams, ScheduledSequence
 from gpu.attention import PagedMetadata
+from gpu.lora import LoraRows
 from gpu.step_inputs import StepInputs
 
 logger = logging.getLogger(__name__)
@@ -95,22 +96,32 @@ def compilations_so_far() -> int:
     return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
 
 
-def mark_step_shapes(step: StepInputs, keep: torch.Tensor) -> None:
+def mark_step_shapes(step: StepInputs, keep: torch.Tensor, lora_mask: torch.Tensor | None = None) -> None:
     """Tell dynamo which sizes vary from step to step (see the module's note)."""
     for tensor, dims in step.metadata.varying_dims():  # the pool too: its size must not key the artifacts
         for dim in dims:
             torch._dynamo.decorators.mark_unbacked(tensor, dim)
     for tensor, dim in ((step.input_ids, 1), (step.positions, 1), (keep, 0)):
         torch._dynamo.decorators.mark_unbacked(tensor, dim)
+    if lora_mask is not None:  # a row per packed token
+        torch._dynamo.decorators.mark_unbacked(lora_mask, 0)
 
 
 class PackedForward:
     """`model(packed step) -> float32 logits` of the kept rows, eagerly or through a compiled graph."""
 
-    def __init__(self, model: Any, mode: CompileMode) -> None:
+    def __init__(self, model: Any, mode: CompileMode, lora_rows: LoraRows | None = None) -> None:
         self.model = model
         self.mode = mode
+        # With LoRA adapters, the step's slot mask is an input of the graph like the paged metadata: set
+        # on the layers inside the forward, so a compiled graph reads each step's mask, not a constant.
+        self.lora_rows = lora_rows
         options = INDUCTOR_OPTIONS[mode]
+        if options is not None and lora_rows is not None:
+            # No C++ wrapper under adapters: its one function calls every op of the step, and with seven
+            # adapter deltas per layer (an opaque op each, see gpu/lora.py) gcc compiled SmolLM2's wrapper for
+            # over 18 minutes before it was stopped; the Python wrapper calls them at once.
+            options = {key: value for key, value in options.items() if key != "cpp_wrapper"}
         self._compiled = None if options is None else torch.compile(self._forward, fullgraph=True, options=options)
         self._compilations_at_start = compilations_so_far()
         self._compilations_at_ready: int | None = None  # dynamo's count once warm_up is done
@@ -123,11 +134,12 @@ class PackedForward:
         return self._compiled is not None
 
     def __call__(self, step: StepInputs, keep: torch.Tensor) -> torch.Tensor:
+        lora_mask = None if self.lora_rows is None else self.lora_rows.mask
         if self._compiled is None:
-            return self._forward(step.input_ids, step.positions, keep, step.metadata)
-        mark_step_shapes(step, keep)
+            return self._forward(step.input_ids, step.positions, keep, step.metadata, lora_mask)
+        mark_step_shapes(step, keep, lora_mask)
         before = compilations_so_far()
-        logits: torch.Tensor = self._compiled(step.input_ids, step.positions, keep, step.metadata)
+        logits: torch.Tensor = self._compiled(step.input_ids, step.positions, keep, step.metadata, lora_mask)
         if self._compilations_at_ready is not None and compilations_so_far() > before:
             self.recompilations += compilations_so_far() - before
             logger.warning("the forward compiled again during serving (%d tokens, %d logits kept): %d so far",
@@ -135,7 +147,11 @@ class PackedForward:
         return logits
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor,
-                 metadata: PagedMetadata) -> torch.Tensor:
+                 metadata: PagedMetadata, lora_mask: torch.Tensor | None = None) -> torch.Tensor:
+        if self.lora_rows is not None:
+            if lora_mask is not None:  # one row per token: the same size as the step's (unbacked) token count
+                torch._check(lora_mask.shape[0] == input_ids.shape[1])  # type: ignore[no-untyped-call]
+            self.lora_rows.mask = lora_mask
         output = self.model(input_ids=input_ids, position_ids=positions, logits_to_keep=keep, use_cache=False,
                             paged_metadata=metadata)
         logits: torch.Tensor = output.logits[0].float()

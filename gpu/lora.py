@@ -137,6 +137,30 @@ def _features(layer: nn.Module) -> tuple[int, int]:
     return int(packed.in_features), int(packed.out_features)
 
 
+def lora_delta(x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Every token's adapter delta: x [tokens, in] -> [tokens, out] (see the module's note)."""
+    return ((x @ lora_a.t()) * mask) @ lora_b.t()
+
+
+def _define_delta_op() -> Any:
+    """`fairlane::lora_delta`, opaque to inductor: traced, its products were GEMMs for max-autotune to
+    benchmark and for the C++ wrapper to compile, seven per layer, and a cold compile of SmolLM2 with
+    16 slots ran past half an hour in one compiler process. Opaque, the compiled step calls ATen's
+    matmuls for the delta, as the eager forward does."""
+    library = torch.library.Library("fairlane", "FRAGMENT")  # type: ignore[no-untyped-call]
+    library.define("lora_delta(Tensor x, Tensor lora_a, Tensor lora_b, Tensor mask) -> Tensor")  # type: ignore[no-untyped-call]
+    library.impl("lora_delta", lora_delta, "CompositeExplicitAutograd")  # type: ignore[no-untyped-call]
+
+    def shape(x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return x.new_empty((x.shape[0], lora_b.shape[0]))
+
+    torch.library.register_fake("fairlane::lora_delta", shape, lib=library)
+    return library
+
+
+_LIBRARY = _define_delta_op()  # kept alive: the op lives as long as its library object
+
+
 class LoraRows:
     """Which slot each token of the step belongs to, as the mask every LoraLinear multiplies by.
     Set by the runner before each forward; None when no token of the step has an adapter."""
@@ -171,7 +195,7 @@ class LoraLinear(nn.Module):
         if mask is None:
             return out
         flat = x.reshape(-1, self.in_features).to(self.lora_a.dtype)
-        delta = ((flat @ self.lora_a.t()) * mask) @ self.lora_b.t()
+        delta = torch.ops.fairlane.lora_delta(flat, self.lora_a, self.lora_b, mask)
         return out + delta.view(out.shape).to(out.dtype)
 
     def fill(self, slot: int, pair: tuple[torch.Tensor, torch.Tensor] | None) -> None:
@@ -283,9 +307,12 @@ class LoraRuntime:
                 failed.append((slot, str(exc)))
         return tuple(failed)
 
-    def select(self, lora_slots: Sequence[int], num_tokens: Sequence[int], device: torch.device) -> None:
-        """Set each packed token's slot from its sequence's (in the packed order); no mask when none has one."""
-        if all(slot == BASE_SLOT for slot in lora_slots):
+    def select(self, lora_slots: Sequence[int], num_tokens: Sequence[int], device: torch.device, *,
+               always: bool = False) -> None:
+        """Set each packed token's slot from its sequence's (in the packed order). No mask when none has
+        one, unless `always`: a compiled forward takes a mask at every step (zero rows for base tokens),
+        so that one graph serves steps with and without adapters."""
+        if all(slot == BASE_SLOT for slot in lora_slots) and not always:
             self.slots.select(None)
             return
         per_sequence = torch.tensor(list(lora_slots), device=device)

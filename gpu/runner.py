@@ -70,7 +70,7 @@ class ModelRunner:
         self.model.set_attn_implementation(ATTENTION_NAME)
         # The adapters wrap the linear layers before the forward is built; None: the base model alone.
         self.lora = None if lora is None else LoraRuntime(self.model, lora)
-        compilation = self._lora_compilation(compilation or CompileConfig())
+        compilation = compilation or CompileConfig()
         self.device = loaded.device
         shape = kv_shape_of(loaded, budget.block_size)
         max_len = min(loaded.max_model_len, budget.max_model_len or loaded.max_model_len)
@@ -91,19 +91,17 @@ class ModelRunner:
     def _packed_forward(self, compilation: CompileConfig) -> PackedForward:
         if compilation.mode != "eager" and compilation.cache_dir is not None:
             folder = artifact_folder(compilation.cache_dir, self.loaded.name, self.loaded.dtype,
-                                     self.loaded.quantization, compilation.mode, self.device)
+                                     self._graph_variant(), compilation.mode, self.device)
             use_artifact_folder(folder)
             logger.info("compiled artifacts: %s", folder)
-        return PackedForward(self.model, compilation.mode)
+        return PackedForward(self.model, compilation.mode, None if self.lora is None else self.lora.slots.rows)
 
-    def _lora_compilation(self, compilation: CompileConfig) -> CompileConfig:
-        """Eager under adapters: the per-token slot mask is set on the layers between steps, which a
-        compiled graph would read as a constant (LoRA inside the compiled step is not built yet)."""
-        if self.lora is None or compilation.mode == "eager":
-            return compilation
-        logger.warning("enable_lora: the forward runs eager, not compiled (%s): the LoRA slot mask is not "
-                       "part of the compiled step", compilation.mode)
-        return CompileConfig("eager", compilation.cache_dir)
+    def _graph_variant(self) -> str:
+        """What besides the model, dtype and mode shapes the graph: the quantization, and the LoRA slots."""
+        if self.lora is None:
+            return self.loaded.quantization
+        slots = self.lora.slots
+        return f"{self.loaded.quantization}+lora{slots.num_slots}x{slots.max_rank}"
 
     def check_adapter(self, adapter: LoraRef) -> None:
         """Read and check an adapter's folder against the model, keeping it in the CPU store; AdapterError
@@ -138,8 +136,6 @@ class ModelRunner:
         if not plan.sequences:
             return result
         ordered = decodes_first(plan.sequences)
-        if self.lora is not None:
-            self.lora.select([s.lora_slot for s in ordered], [len(s.token_ids) for s in ordered], self.device)
         sampling = [seq for seq in ordered if seq.needs_sample]
         masks = self.matchers.masks(sampling)
         forward_started = time.perf_counter()
@@ -166,6 +162,9 @@ class ModelRunner:
         in the order given, then one per extra packed-token row. Sequences of one token must come
         first (see `decodes_first`)."""
         step = build_step_inputs(sequences, self.cache)
+        if self.lora is not None:
+            self.lora.select([s.lora_slot for s in sequences], [len(s.token_ids) for s in sequences], self.device,
+                             always=self.forward.is_compiled)
         keep = step.logits_indices
         if extra_rows:
             keep = torch.cat([keep, torch.tensor(list(extra_rows), dtype=keep.dtype, device=keep.device)])

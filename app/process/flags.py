@@ -28,7 +28,7 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
                         help="the forward run eagerly or compiled by inductor (default; max: autotuned "
                              "GEMMs and a C++ wrapper); compiled at start-up, cached on disk")
     parser.add_argument("--enable-lora", action="store_true", default=None,
-                        help="serve LoRA adapters (peft folders) next to the base model; the forward runs eager")
+                        help="serve LoRA adapters (peft folders) next to the base model")
     parser.add_argument("--max-loras", type=int, help="adapter slots on the device (default 4)")
     parser.add_argument("--max-cpu-loras", type=int, help="adapters kept read in CPU memory (default 2 x max-loras)")
     parser.add_argument("--max-lora-rank", type=int, help="the largest adapter rank served (default 16)")

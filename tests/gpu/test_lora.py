@@ -4,7 +4,6 @@ different adapters and of the base model mix in one forward, and a bad folder is
 from __future__ import annotations
 
 import json
-import logging
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +11,7 @@ import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 
+from contract.plan import SamplingParams, ScheduledSequence
 from gpu.compiled import CompileConfig
 from gpu.lora import (
     ADAPTER_CONFIG,
@@ -166,12 +166,29 @@ def test_bad_adapter_folders_are_errors_that_name_the_file(adapters: dict[str, t
         read_adapter("two", source, small, max_rank=8)
 
 
-def test_a_runner_with_lora_runs_eager_and_says_why(caplog: pytest.LogCaptureFixture) -> None:
-    loaded = load_model("builtin:tiny", device="cpu", dtype="float32")
-    budget = RunnerBudget(block_size=16, kv_cache_bytes=32 * kv_shape_of(loaded, 16).bytes_per_block,
-                          swap_space_bytes=0)
-    with caplog.at_level(logging.WARNING, logger="gpu.runner"):
-        runner = ModelRunner(loaded, budget, CompileConfig("max"), LoraServing(max_loras=2, max_rank=8))
-    assert runner.forward.mode == "eager" and not runner.forward.is_compiled
-    assert "enable_lora: the forward runs eager" in caplog.text
-    assert runner.lora is not None and len(runner.lora.slots.layers) == 7 * loaded.model.config.num_hidden_layers
+@pytest.mark.slow
+def test_a_compiled_runner_serves_adapters_in_one_graph(adapters: dict[str, tuple[Path, Any]],
+                                                         tmp_path: Path) -> None:
+    """The slot mask is an input of the compiled graph: steps of adapters, of the base model and of a mix
+    give what the eager runner gives, through one graph and no compilation after start-up."""
+    runners = []
+    for mode in ("eager", "default"):
+        loaded = load_model("builtin:tiny", device="cpu", dtype="float32")
+        budget = RunnerBudget(block_size=16, kv_cache_bytes=64 * kv_shape_of(loaded, 16).bytes_per_block,
+                              swap_space_bytes=0)
+        runner = ModelRunner(loaded, budget, CompileConfig(mode, str(tmp_path)), LoraServing(max_loras=2, max_rank=8))
+        assert runner.lora is not None and len(runner.lora.slots.layers) == 7 * loaded.model.config.num_hidden_layers
+        for slot, (name, (folder, _)) in enumerate(adapters.items()):
+            runner.lora.slots.place(slot, read_adapter(name, folder, runner.model, max_rank=8))
+        runners.append(runner)
+    eager, compiled = runners
+    assert compiled.forward.is_compiled and not eager.forward.is_compiled
+    text = byte_prompt(40)
+    steps = [[(0, text[:20])], [(BASE_SLOT, text[:17])], [(1, text[:9]), (BASE_SLOT, text[:13]), (0, text[:11])]]
+    for index, step in enumerate(steps):
+        sequences = [ScheduledSequence(f"s{index}-{n}", tokens, 0, (4 * n, 4 * n + 1), True, SamplingParams(),
+                                       lora_slot=slot) for n, (slot, tokens) in enumerate(step)]
+        expected, got = eager.compute_logits(sequences), compiled.compute_logits(sequences)
+        torch.testing.assert_close(got, expected, atol=1e-2, rtol=0)
+        assert got.argmax(-1).tolist() == expected.argmax(-1).tolist()
+    assert compiled.forward.num_graphs == 1 and compiled.forward.recompilations == 0

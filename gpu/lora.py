@@ -195,7 +195,7 @@ class LoraLinear(nn.Module):
         if mask is None:
             return out
         flat = x.reshape(-1, self.in_features).to(self.lora_a.dtype)
-        delta = torch.ops.fairlane.lora_delta(flat, self.lora_a, self.lora_b, mask)
+        delta: torch.Tensor = torch.ops.fairlane.lora_delta(flat, self.lora_a, self.lora_b, mask)
         return out + delta.view(out.shape).to(out.dtype)
 
     def fill(self, slot: int, pair: tuple[torch.Tensor, torch.Tensor] | None) -> None:

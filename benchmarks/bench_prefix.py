@@ -18,6 +18,7 @@ from typing import Any
 
 from app.process.engine_factory import build_engine
 from app.process.flags import add_model_flags, settings_from_args
+from benchmarks.bench_prefix_tiers import run_tiers
 from config.settings import Settings
 from loadtest.bench_output import format_table, write_report
 from loadtest.stats import percentile_or_nan as percentile
@@ -119,12 +120,14 @@ def print_table(results: dict[str, dict[str, Any]], ratios: dict[str, Any]) -> N
 
 def run_bench(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
-    workload = make_prefix_workload(args.requests, args.system_tokens, args.seed, args.max_tokens)
+    if args.tiers:
+        return run_tiers(args, settings)
+    workload = make_prefix_workload(args.requests, args.system_tokens or 1000, args.seed, args.max_tokens)
     results = {f"caching_{'on' if caching else 'off'}": run_mode(settings, workload, args.concurrency, caching)
                for caching in (False, True)}
     ratios = report(results)
     print_table(results, ratios)
-    document = {"model": settings.model, "requests": args.requests, "system_tokens": args.system_tokens,
+    document = {"model": settings.model, "requests": args.requests, "system_tokens": args.system_tokens or 1000,
                 "concurrency": args.concurrency, "max_tokens": args.max_tokens, "systems": results,
                 "ratios": ratios}
     write_report(args.out, document)
@@ -132,10 +135,17 @@ def run_bench(args: argparse.Namespace) -> int:
 
 
 def add_command(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    parser = subparsers.add_parser("prefix", help="shared system prompt: TTFT with prefix caching off and on")
+    parser = subparsers.add_parser("prefix", help="shared system prompt: TTFT with prefix caching off and on; "
+                                                  "--tiers: many tenants' prompts over the device, host and disk tiers")
     add_model_flags(parser)
     parser.add_argument("--requests", type=int, default=32)
-    parser.add_argument("--system-tokens", type=int, default=1000)
+    parser.add_argument("--system-tokens", type=int,
+                        help="the system prompt's tokens (default 1,000; 2,000 with --tiers)")
+    parser.add_argument("--tiers", action="store_true",
+                        help="the tiered cache benchmark (benchmarks/bench_prefix_tiers.py)")
+    parser.add_argument("--tenants", type=int, default=64, help="--tiers: tenants, a system prompt each")
+    parser.add_argument("--rounds", type=int, default=2, help="--tiers: measured rounds of one request per tenant")
+    parser.add_argument("--disk-dir", help="--tiers: where the disk tier's temporary folder goes (default: /tmp)")
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)

@@ -68,6 +68,12 @@ class Settings(BaseModel):
     # kv_cache_bytes is not given; never more than max_num_seqs full-length sequences need.
     kv_cache_memory_fraction: float = Field(default=0.25, gt=0, le=0.95)
     swap_space_bytes: int = Field(default=512 * MiB, ge=0)
+    # The prefix cache's lower tiers (docs/prefix-caching.md): blocks leaving the device pool are kept in host
+    # memory (0: no host tier), and written through to files under kv_disk_cache_path (None: no disk tier),
+    # which a restart finds again.
+    kv_host_cache_bytes: int = Field(default=0, ge=0)
+    kv_disk_cache_path: str | None = None
+    kv_disk_cache_bytes: int = Field(default=8 * 1024 * MiB, ge=1)
 
     # Scheduling.
     max_num_seqs: int = Field(default=64, ge=1)
@@ -87,6 +93,10 @@ class Settings(BaseModel):
     vtc_prompt_weight: float = Field(default=1.0, gt=0)  # w_p, per prompt token computed
     vtc_decode_weight: float = Field(default=2.0, gt=0)  # w_q, per generated token
     cached_token_weight: float = Field(default=0.1, ge=0)  # share of w_p charged per cached prompt token
+    # Cache breakpoints (cache_control): prompt tokens written to pinned blocks cost this times w_p, and each
+    # tenant may have at most cache_pin_max_tokens pinned at once (past that a breakpoint is a plain prefix).
+    cache_write_weight: float = Field(default=1.25, ge=1.0)
+    cache_pin_max_tokens: int = Field(default=65536, ge=0)
     tenants_file: str | None = None
 
     # Files and Batch APIs.
@@ -144,6 +154,8 @@ class Settings(BaseModel):
                 raise ValueError(f"lora_modules entry {module!r} must be NAME=PATH")
         if (self.lora_modules or self.adapters) and not self.enable_lora:
             raise ValueError("lora_modules and [[adapters]] need enable_lora")
+        if self.kv_disk_cache_path is not None and not self.kv_host_cache_bytes:
+            raise ValueError("kv_disk_cache_path needs kv_host_cache_bytes: blocks reach the disk through host memory")
         return self
 
     @property

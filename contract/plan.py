@@ -104,6 +104,23 @@ class ScheduledSequence:
 
 
 @dataclass(slots=True)
+class TierCopies:
+    """The copies one step's plan asks of the runner, made in this order before anything else of the step:
+    device->host (blocks about to be reused), disk deletes, host->disk writes (queued, never waited for),
+    disk->host reads, host->device copies up. A hash written in a step is never deleted in it, while one
+    deleted may be written again: deletes go first."""
+
+    offloads: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
+    disk_writes: list[tuple[int, bytes]] = field(default_factory=list)  # (host block, block hash)
+    disk_deletes: list[bytes] = field(default_factory=list)
+    disk_reads: list[tuple[bytes, int]] = field(default_factory=list)  # (block hash, host block)
+    onloads: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
+
+    def __bool__(self) -> bool:
+        return bool(self.offloads or self.disk_writes or self.disk_deletes or self.disk_reads or self.onloads)
+
+
+@dataclass(slots=True)
 class StepPlan:
     """Everything the runner does in one step, in order: swap out, swap in, forward, sample."""
 
@@ -114,6 +131,8 @@ class StepPlan:
     # (slot, adapter): LoRA adapters to put in device slots before the forward. A slot named here held
     # no adapter any sequence of this step uses, so overwriting it is safe.
     lora_loads: list[tuple[int, LoraRef]] = field(default_factory=list)
+    # The prefix cache's lower tiers (host memory, disk): copies made before everything else of the step.
+    tier_copies: TierCopies = field(default_factory=TierCopies)
 
     @property
     def num_tokens(self) -> int:
@@ -121,7 +140,8 @@ class StepPlan:
 
     @property
     def is_empty(self) -> bool:
-        return not (self.sequences or self.swap_out or self.swap_in or self.finished_request_ids or self.lora_loads)
+        return not (self.sequences or self.swap_out or self.swap_in or self.finished_request_ids or self.lora_loads
+                    or self.tier_copies)
 
 
 @dataclass(slots=True, frozen=True)
@@ -148,6 +168,10 @@ class StepResult:
     # LoRA slots the runner could not load this step (the adapter's folder went bad since it was checked):
     # (slot, why). The slot is left empty; the scheduler ends that adapter's requests with the reason.
     failed_lora_loads: tuple[tuple[int, str], ...] = ()
+    # Disk blocks of the prefix cache the runner could not keep: writes dropped or failed (found since the
+    # last step) and reads that failed (this step's: the host blocks they were read into hold nothing).
+    lost_disk_blocks: tuple[bytes, ...] = ()
+    failed_disk_reads: tuple[bytes, ...] = ()
 
 
 @dataclass(slots=True, frozen=True)
@@ -159,3 +183,7 @@ class CacheGeometry:
     block_size: int
     bytes_per_block: int
     max_model_len: int
+    # The prefix cache's lower tiers (scheduling/cache_tiers.py); 0: no such tier.
+    num_host_blocks: int = 0
+    num_disk_blocks: int = 0
+    disk_block_hashes: tuple[bytes, ...] = ()  # what the disk tier held at start, least recently written first

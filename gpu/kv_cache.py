@@ -1,4 +1,5 @@
-"""Paged KV memory: a device pool and a CPU swap pool, both `[layers, 2, blocks, kv_heads, block_size, head_dim]`.
+"""Paged KV memory: a device pool, a CPU swap pool and the prefix cache's host tier, each
+`[layers, 2, blocks, kv_heads, block_size, head_dim]`.
 
 One tensor per pool, so a swap of many blocks across all layers is a single indexed copy.
 """
@@ -43,46 +44,72 @@ def zeroed_pool(dims: tuple[int, ...], dtype: torch.dtype, device: torch.device,
 
 
 class PagedKVCache:
-    """Owns the block pools. Which block holds what is decided elsewhere; this only stores and copies."""
+    """Owns the block pools. Which block holds what is decided elsewhere; this only stores and copies.
 
-    def __init__(self, shape: KVShape, num_device_blocks: int, num_cpu_blocks: int, device: torch.device) -> None:
+    Three pools: the device pool the forward reads, the swap pool of preempted requests, and the host
+    tier of the prefix cache (scheduling/cache_tiers.py). The two host pools are pinned on CUDA."""
+
+    def __init__(self, shape: KVShape, num_device_blocks: int, num_cpu_blocks: int, device: torch.device,
+                 num_host_blocks: int = 0) -> None:
         if num_device_blocks < 1:
             raise ValueError("the KV budget is smaller than one block; raise kv_cache_bytes")
         self.shape = shape
         self.device = device
-        dims = (shape.num_layers, 2)
-        tail = (shape.num_kv_heads, shape.block_size, shape.head_dim)  # head-major blocks: see gpu.attention
-        self.device_pool = zeroed_pool((*dims, num_device_blocks, *tail), shape.dtype, device)
-        self.cpu_pool = zeroed_pool((*dims, num_cpu_blocks, *tail), shape.dtype, torch.device("cpu"),
-                                    pinned=device.type == "cuda")
+        self.device_pool = self._pool(num_device_blocks, device)
+        self.cpu_pool = self._pool(num_cpu_blocks, torch.device("cpu"), pinned=device.type == "cuda")
+        self.host_pool = self._pool(num_host_blocks, torch.device("cpu"), pinned=device.type == "cuda")
         self.num_device_blocks = num_device_blocks
         self.num_cpu_blocks = num_cpu_blocks
+        self.num_host_blocks = num_host_blocks
+
+    def _pool(self, num_blocks: int, device: torch.device, pinned: bool = False) -> torch.Tensor:
+        shape = self.shape
+        dims = (shape.num_layers, 2, num_blocks, shape.num_kv_heads, shape.block_size, shape.head_dim)
+        return zeroed_pool(dims, shape.dtype, device, pinned)  # head-major blocks: see gpu.attention
 
     def layer_blocks(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of one layer as `[num_blocks, kv_heads, block_size, head_dim]` views."""
         return self.device_pool[layer, 0], self.device_pool[layer, 1]
 
+    def host_block(self, block: int) -> torch.Tensor:
+        """One block of the host tier, all layers: a `[layers, 2, kv_heads, block_size, head_dim]` view."""
+        return self.host_pool[:, :, block]
+
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
-        """Copy device blocks to CPU blocks, all layers at once. pairs: (device block, cpu block)."""
+        """Copy device blocks to swap blocks, all layers at once. pairs: (device block, cpu block)."""
+        self._copy_down(self.cpu_pool, pairs)
+
+    def swap_in(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy swap blocks back to device blocks. pairs: (cpu block, device block)."""
+        self._copy_up(self.cpu_pool, pairs)
+
+    def offload(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy device blocks to the host tier. pairs: (device block, host block)."""
+        self._copy_down(self.host_pool, pairs)
+
+    def onload(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy host-tier blocks to device blocks. pairs: (host block, device block)."""
+        self._copy_up(self.host_pool, pairs)
+
+    def _copy_down(self, host_pool: torch.Tensor, pairs: list[tuple[int, int]]) -> None:
         if not pairs:
             return
         device_ids = torch.tensor([d for d, _ in pairs], device=self.device)
-        cpu_ids = torch.tensor([c for _, c in pairs])
+        host_ids = torch.tensor([c for _, c in pairs])
         moved = self.device_pool.index_select(2, device_ids).to("cpu", non_blocking=True)
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
-        self.cpu_pool.index_copy_(2, cpu_ids, moved)
+        host_pool.index_copy_(2, host_ids, moved)
 
-    def swap_in(self, pairs: list[tuple[int, int]]) -> None:
-        """Copy CPU blocks back to device blocks. pairs: (cpu block, device block)."""
+    def _copy_up(self, host_pool: torch.Tensor, pairs: list[tuple[int, int]]) -> None:
         if not pairs:
             return
-        cpu_ids = torch.tensor([c for c, _ in pairs])
+        host_ids = torch.tensor([c for c, _ in pairs])
         device_ids = torch.tensor([d for _, d in pairs], device=self.device)
         # Gathered into pinned memory on CUDA, so the copy up is one asynchronous DMA; from a pageable
         # gather it would be staged through a bounce buffer, synchronously. (torch's pinned allocator
         # caches the staging buffer and keeps it until the copy using it is done.)
-        staging_shape = (*self.cpu_pool.shape[:2], len(pairs), *self.cpu_pool.shape[3:])
-        staging = torch.empty(staging_shape, dtype=self.cpu_pool.dtype, pin_memory=self.device.type == "cuda")
-        torch.index_select(self.cpu_pool, 2, cpu_ids, out=staging)
+        staging_shape = (*host_pool.shape[:2], len(pairs), *host_pool.shape[3:])
+        staging = torch.empty(staging_shape, dtype=host_pool.dtype, pin_memory=self.device.type == "cuda")
+        torch.index_select(host_pool, 2, host_ids, out=staging)
         self.device_pool.index_copy_(2, device_ids, staging.to(self.device, non_blocking=True))

@@ -10,10 +10,11 @@ from dataclasses import dataclass
 import psutil
 import torch
 
-from contract.plan import CacheGeometry, LoraRef, ScheduledSequence, StepPlan, StepResult, StructuredOutput
+from contract.plan import CacheGeometry, LoraRef, ScheduledSequence, StepPlan, StepResult, StructuredOutput, TierCopies
 from gpu.attention import ATTENTION_NAME
 from gpu.compiled import CompileConfig, PackedForward, artifact_folder, use_artifact_folder, warm_up
 from gpu.kv_cache import KVShape, PagedKVCache
+from gpu.kv_disk import DiskBlockStore
 from gpu.lora import LoraRuntime, LoraServing
 from gpu.models import LoadedModel
 from gpu.prompt_logprobs import prompt_logprobs, prompt_rows
@@ -35,6 +36,10 @@ class RunnerBudget:
     seed: int = 0
     kv_cache_memory_fraction: float = 0.25
     max_num_seqs: int = 64  # the automatic pool never holds more than this many full-length sequences
+    # The prefix cache's lower tiers (scheduling/cache_tiers.py): host memory, and files under a folder.
+    host_cache_bytes: int = 0
+    disk_cache_path: str | None = None
+    disk_cache_bytes: int = 0
 
 
 def free_memory_bytes(device: torch.device) -> int:
@@ -76,17 +81,42 @@ class ModelRunner:
         max_len = min(loaded.max_model_len, budget.max_model_len or loaded.max_model_len)
         pool_bytes = kv_pool_bytes(budget, shape.bytes_per_block, max_len, self.device)
         self.cache = PagedKVCache(shape, pool_bytes // shape.bytes_per_block,
-                                  budget.swap_space_bytes // shape.bytes_per_block, self.device)
+                                  budget.swap_space_bytes // shape.bytes_per_block, self.device,
+                                  budget.host_cache_bytes // shape.bytes_per_block)
+        self.disk = self._disk_tier(budget, shape, max_len)
         logger.info("KV pool: %d blocks of %d tokens, %d tokens in all (%.0f MiB of %s)",
                     self.cache.num_device_blocks, budget.block_size, self.cache.num_device_blocks * budget.block_size,
                     self.cache.num_device_blocks * shape.bytes_per_block / 2**20, shape.dtype)
         self.sampler = Sampler(self.device, budget.seed)
         self.grammars = GrammarCache(loaded.tokenizer, int(self.model.config.vocab_size))
         self.matchers = GrammarMatchers(self.grammars)
+        disk = self.disk
         self._geometry = CacheGeometry(self.cache.num_device_blocks, self.cache.num_cpu_blocks,
-                                       budget.block_size, shape.bytes_per_block, max_len)
+                                       budget.block_size, shape.bytes_per_block, max_len, self.cache.num_host_blocks,
+                                       0 if disk is None else disk.capacity_blocks,
+                                       () if disk is None else tuple(disk.stored()))
         self.forward = self._packed_forward(compilation)
         warm_up(self.forward, self.compute_logits, budget.block_size, self.cache.num_device_blocks)
+
+    def _disk_tier(self, budget: RunnerBudget, shape: KVShape, max_len: int) -> DiskBlockStore | None:
+        """The files of the prefix cache's disk tier, for this model and layout only: a block is valid for
+        the same weights (name, dtype, quantization) and the same KV layout."""
+        if budget.disk_cache_path is None or not self.cache.num_host_blocks:
+            return None
+        config: dict[str, str | int] = {
+            "model": self.loaded.name, "dtype": str(shape.dtype), "quantization": self.loaded.quantization,
+            "block_size": shape.block_size, "layers": shape.num_layers, "kv_heads": shape.num_kv_heads,
+            "head_dim": shape.head_dim, "vocab_size": int(self.model.config.vocab_size)}
+        block_shape = tuple(self.cache.host_block(0).shape)
+        store = DiskBlockStore(budget.disk_cache_path, config, block_shape, shape.dtype, budget.disk_cache_bytes)
+        logger.info("prefix cache on disk: %s, %d blocks found, room for %d", budget.disk_cache_path,
+                    len(store.stored()), store.capacity_blocks)
+        return store
+
+    def close(self) -> None:
+        """Finish the disk tier's queued writes (a restart finds them)."""
+        if self.disk is not None:
+            self.disk.close()
 
     def _packed_forward(self, compilation: CompileConfig) -> PackedForward:
         if compilation.mode != "eager" and compilation.cache_dir is not None:
@@ -126,9 +156,11 @@ class ModelRunner:
 
     def execute(self, plan: StepPlan) -> StepResult:
         swap_started = time.perf_counter()
+        failed_reads = self._copy_between_tiers(plan.tier_copies) if plan.tier_copies else ()
         self.cache.swap_out(plan.swap_out)
         self.cache.swap_in(plan.swap_in)
-        result = StepResult(swap_seconds=time.perf_counter() - swap_started)
+        result = StepResult(swap_seconds=time.perf_counter() - swap_started, failed_disk_reads=failed_reads,
+                            lost_disk_blocks=tuple(self.disk.take_lost()) if self.disk is not None else ())
         self.sampler.forget(plan.finished_request_ids)
         self.matchers.forget(plan.finished_request_ids)
         if self.lora is not None:
@@ -154,6 +186,22 @@ class ModelRunner:
             self.matchers.advance(sampling, tokens)
             result.sampled_token_ids = {s.request_id: t for s, t in zip(sampling, tokens, strict=True)}
         return result
+
+    def _copy_between_tiers(self, copies: TierCopies) -> tuple[bytes, ...]:
+        """The prefix cache's copies, in the order `TierCopies` says; the hashes of disk reads that failed.
+        Device blocks are written down before anything of the step may overwrite them, and copied up
+        before the forward reads them."""
+        self.cache.offload(copies.offloads)
+        failed: list[bytes] = []
+        if self.disk is not None:
+            for block_hash in copies.disk_deletes:
+                self.disk.delete(block_hash)
+            for host_block, block_hash in copies.disk_writes:  # queued: the writer thread writes the files
+                self.disk.write(block_hash, self.cache.host_block(host_block))
+            failed = [block_hash for block_hash, host_block in copies.disk_reads
+                      if not self.disk.read_into(block_hash, self.cache.host_block(host_block))]
+        self.cache.onload(copies.onloads)
+        return tuple(failed)
 
     @torch.inference_mode()
     def compute_logits(self, sequences: Sequence[ScheduledSequence], extra_rows: Sequence[int] = ()

@@ -11,10 +11,13 @@ free block that still holds a cached hash) never touches a block in use.
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
+from contract.plan import TierCopies
+from scheduling.cache_pins import CachePins
+from scheduling.cache_tiers import LowerTiers
 from scheduling.prefix_cache import extend_block_hashes
 from scheduling.request import Request
 
@@ -23,8 +26,11 @@ class BlockPool:
     """A fixed set of block ids with reference counts. Free blocks that hold a cached prefix stay
     findable until reused; the least recently freed is reused first."""
 
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, on_evict: Callable[[int, bytes], None] | None = None,
+                 is_pinned: Callable[[bytes], bool] | None = None) -> None:
         self.num_blocks = num_blocks
+        self.on_evict = on_evict  # told of each cached block about to be reused, before it is
+        self.is_pinned = is_pinned  # a free cached block pinned by a breakpoint is reused after the others
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # LRU first
         self._ref_counts = [0] * num_blocks
         self._hash_of_block: dict[int, bytes] = {}
@@ -47,11 +53,24 @@ class BlockPool:
             return None
         taken = []
         for _ in range(count):
-            block, _ = self._free.popitem(last=False)
+            block = self._take_free()
             self._evict(block)
             self._ref_counts[block] = 1
             taken.append(block)
         return taken
+
+    def _take_free(self) -> int:
+        """The least recently freed block, passing over pinned ones while others are free."""
+        if self.is_pinned is not None:
+            hash_of, is_pinned, free = self._hash_of_block, self.is_pinned, self._free
+            for _ in range(len(free)):
+                block = next(iter(free))
+                block_hash = hash_of.get(block)
+                if block_hash is None or not is_pinned(block_hash):
+                    break
+                free.move_to_end(block)  # kept for later: most recently freed now
+        block, _ = self._free.popitem(last=False)
+        return block
 
     def free(self, block_ids: Sequence[int]) -> None:
         """Drop one reference from each block; a block with none left joins the free queue.
@@ -85,6 +104,8 @@ class BlockPool:
         block_hash = self._hash_of_block.pop(block, None)
         if block_hash is not None:
             del self._block_of_hash[block_hash]
+            if self.on_evict is not None:
+                self.on_evict(block, block_hash)
 
 
 @dataclass(slots=True)
@@ -112,11 +133,16 @@ class KVBlockManager:
     `swap_in`, `free`) that either succeeds whole or changes nothing."""
 
     def __init__(self, num_device_blocks: int, num_cpu_blocks: int, block_size: int,
-                 enable_prefix_caching: bool = True) -> None:
+                 enable_prefix_caching: bool = True, tiers: LowerTiers | None = None,
+                 pins: CachePins | None = None) -> None:
         self.block_size = block_size
-        self.device = BlockPool(num_device_blocks)
-        self.cpu = BlockPool(num_cpu_blocks)
         self.enable_prefix_caching = enable_prefix_caching
+        # The prefix cache's host and disk tiers: a cached device block is written down when reused.
+        self.tiers = tiers if tiers is not None and tiers.enabled and enable_prefix_caching else None
+        self.pins = pins if enable_prefix_caching else None  # cache breakpoints (scheduling/cache_pins.py)
+        self.device = BlockPool(num_device_blocks, self._write_down if self.tiers is not None else None,
+                                None if self.pins is None else self.pins.is_pinned)
+        self.cpu = BlockPool(num_cpu_blocks)
         self.prefix_counters = PrefixCacheCounters()
         self._tables: dict[str, _BlockTable] = {}
         # Each request's device blocks, in position order. A tuple, replaced when it grows (every block_size
@@ -160,19 +186,45 @@ class KVBlockManager:
         return max(0, total - self.num_device_blocks(request.request_id))
 
     def cached_prefix(self, request: Request) -> tuple[int, ...]:
-        """The leading full blocks of a request holding nothing that the prefix cache already has.
-        At least the last token is left to compute (its logits are needed)."""
-        if (not self.enable_prefix_caching or request.num_computed_tokens or request.request_id in self._tables
-                or request.sampling.prompt_logprobs is not None):  # every prompt position's logits are wanted
+        """The leading full blocks of a request holding nothing that the prefix cache already has on the
+        device. At least the last token is left to compute (its logits are needed)."""
+        if not self._may_share(request):
             return ()
-        limit = (request.num_tokens - 1) // self.block_size
         found = []
-        for block_hash in self._hash_chain(request, limit)[:limit]:
+        for block_hash in self._shareable_chain(request):
             block = self.device.lookup(block_hash)
             if block is None:
                 break
             found.append(block)
         return tuple(found)
+
+    def host_prefix(self, request: Request, num_device_hits: int) -> list[bytes]:
+        """The hashes of the blocks in host memory that continue the request's cached prefix after its
+        `num_device_hits` device blocks: copied up when it is admitted (see `allocate`)."""
+        if self.tiers is None or not self._may_share(request):
+            return []
+        chain = self._shareable_chain(request)[num_device_hits:]
+        return chain[:len(self.tiers.find(chain)[0])]
+
+    def read_from_disk(self, request: Request) -> bool:
+        """Plan reads into host memory of the blocks that continue the request's cached prefix only on
+        disk. True when some were planned: the request is admitted at a later step, once they are in host
+        memory (a read that fails then is only a shorter hit)."""
+        if self.tiers is None or not self.tiers.disk.capacity or not self._may_share(request):
+            return False
+        chain = self._shareable_chain(request)[len(self.cached_prefix(request)):]
+        return self.tiers.read_continuation(chain) > 0
+
+    def _may_share(self, request: Request) -> bool:
+        """Whether a request may start from cached blocks: one holding nothing yet, and not asking for
+        every prompt position's logits."""
+        return (self.enable_prefix_caching and not request.num_computed_tokens
+                and request.request_id not in self._tables and request.sampling.prompt_logprobs is None)
+
+    def _shareable_chain(self, request: Request) -> list[bytes]:
+        """The hashes of the request's full blocks but the one holding its last token."""
+        limit = (request.num_tokens - 1) // self.block_size
+        return self._hash_chain(request, limit)[:limit]
 
     def can_swap_in(self, request: Request, num_new_tokens: int) -> bool:
         blocks = -(-(request.num_computed_tokens + num_new_tokens) // self.block_size)
@@ -183,13 +235,16 @@ class KVBlockManager:
 
     # ---- changes (whole or nothing) --------------------------------------------------------
 
-    def allocate(self, request: Request, num_new_tokens: int, cached_prefix: tuple[int, ...] = ()) -> bool:
+    def allocate(self, request: Request, num_new_tokens: int, cached_prefix: tuple[int, ...] = (),
+                 copied_up: Sequence[bytes] = ()) -> bool:
         """Give the request room for num_new_tokens more tokens, first sharing `cached_prefix` (from
-        `cached_prefix()`, for a request holding nothing). False, and nothing changed, if it does not fit."""
+        `cached_prefix()`, for a request holding nothing), then copying up the host blocks of `copied_up`
+        (from `host_prefix()`) into fresh device blocks. False, and nothing changed, if it does not fit."""
         held = self._device_tables.get(request.request_id, ())
         if -(-(request.num_computed_tokens + num_new_tokens) // self.block_size) <= len(held) and held:
             return True  # the common decode: the last block still has room (and nothing is shared when holding)
-        num_computed = request.num_computed_tokens + len(cached_prefix) * self.block_size
+        num_hits = len(cached_prefix) + len(copied_up)
+        num_computed = request.num_computed_tokens + num_hits * self.block_size
         num_fresh = self.blocks_needed(request, num_new_tokens, num_computed) - len(cached_prefix)
         # A cached block nobody holds sits in the free queue: sharing it takes it out.
         if num_fresh + sum(self.device.is_free(b) for b in cached_prefix) > self.device.num_free:
@@ -197,12 +252,40 @@ class KVBlockManager:
         table = self._tables.setdefault(request.request_id, _BlockTable(request.tenant_id))
         for block in cached_prefix:
             self.device.share(block)
+        if copied_up:
+            assert self.tiers is not None
+            for block_hash in copied_up:  # busy: the write-downs of this allocation must not evict them
+                self.tiers.host.touch(block_hash)
         fresh = self.device.allocate(num_fresh)
         assert fresh is not None  # checked above
+        if copied_up:
+            self._copy_up(copied_up, fresh[:len(copied_up)])
         self._device_tables[request.request_id] = (*held, *cached_prefix, *fresh)
-        table.num_registered = max(table.num_registered, len(cached_prefix))
+        table.num_registered = max(table.num_registered, num_hits)
         self._device_blocks_by_tenant[table.tenant_id] += len(cached_prefix) + len(fresh)
         return True
+
+    def _copy_up(self, chain: Sequence[bytes], device_blocks: list[int]) -> None:
+        """Host blocks into fresh device blocks, registered in the device's prefix cache at once: the copies
+        are made before the step's forward, so a request admitted later in the same step may share them."""
+        assert self.tiers is not None
+        self.tiers.copy_up(list(chain), device_blocks)
+        for block, block_hash in zip(device_blocks, chain, strict=True):
+            self.device.register(block, block_hash)
+
+    def take_tier_copies(self) -> TierCopies:
+        """The copies between tiers planned since the last call (for the step's plan)."""
+        return self.tiers.take_copies() if self.tiers is not None else TierCopies()
+
+    def tiers_lost(self, lost: Sequence[bytes], failed_reads: Sequence[bytes]) -> None:
+        """What the runner could not keep on disk or read from it (see StepResult)."""
+        if self.tiers is not None:
+            self.tiers.lost(lost)
+            self.tiers.failed_reads(failed_reads)
+
+    def _write_down(self, block: int, block_hash: bytes) -> None:
+        assert self.tiers is not None
+        self.tiers.write_down(block, block_hash)
 
     def record_prefix_query(self, request: Request, num_hit_tokens: int) -> None:
         if self.enable_prefix_caching:
@@ -219,9 +302,21 @@ class KVBlockManager:
             return
         hashes = self._hash_chain(request, num_full)
         device = self._device_tables[request.request_id]
-        for index in range(table.num_registered, num_full):
+        first_new = table.num_registered
+        for index in range(first_new, num_full):
             self.device.register(device[index], hashes[index])
         table.num_registered = num_full
+        if first_new < request.cache_pin_tokens // self.block_size:  # blocks before its breakpoint were completed
+            self.pin_breakpoint(request)
+
+    def pin_breakpoint(self, request: Request) -> None:
+        """Pin, or keep pinned for another TTL, the request's registered blocks before its breakpoint."""
+        table = self._tables.get(request.request_id)
+        if self.pins is None or not request.cache_pin_tokens or table is None:
+            return
+        count = min(request.cache_pin_tokens // self.block_size, table.num_registered)
+        if count:
+            self.pins.pin(request.tenant_id, self._hash_chain(request, count)[:count], request.cache_pin_ttl_s)
 
     def free(self, request_id: str) -> None:
         """Return the request's device and CPU blocks (cached ones stay findable until reused)."""

@@ -355,6 +355,9 @@ class Engine(EngineFront):
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
         self._pool.shutdown(wait=True)
+        close = getattr(self.executor, "close", None)  # a runner's disk tier finishes its writes
+        if close is not None:
+            close()
 
     @property
     def snapshot(self) -> SchedulerSnapshot:
@@ -383,7 +386,11 @@ class Engine(EngineFront):
             "by_class": {name: {"running": load.running, "waiting": load.waiting, "swapped": load.swapped}
                          for name, load in s.by_class.items()},
             "prefix_cache": {"queried_tokens": s.prefix_queried_tokens, "hit_tokens": s.prefix_hit_tokens,
-                             "cached_blocks": s.cached_blocks},
+                             "cached_blocks": s.cached_blocks,
+                             "tiers": {name: {"blocks": t.blocks, "capacity_blocks": t.capacity,
+                                              "bytes": t.blocks * s.bytes_per_block, "hits": t.hits,
+                                              "writes": t.writes, "evictions": t.evictions, "lost": t.lost}
+                                       for name, t in s.tiers.items()}},
             "tenants": tenant_stats(s),
             "step_cost": step_cost_stats(s.step_cost),
             "steps": self.times.steps,

@@ -85,6 +85,10 @@ class Request:
     num_preemptions: int = 0
     num_charged_prompt_tokens: int = 0  # prompt positions already charged to the tenant's counter
     cache_salt: str = ""  # isolates prefix-cache entries: the tenant or its cache group, plus any request salt
+    # A cache breakpoint (scheduling/cache_pins.py): the prompt's first cache_pin_tokens are kept for
+    # cache_pin_ttl_s seconds after the request's last use of them. 0: none.
+    cache_pin_tokens: int = 0
+    cache_pin_ttl_s: float = 0.0
     # The hash chain of the prompt's full blocks (scheduling/prefix_cache.py), made by Engine.submit on the
     # caller's side of the queue, so that no step spends its time hashing the prompts it admits; empty, the
     # block manager hashes them when it first needs them.

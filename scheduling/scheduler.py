@@ -20,11 +20,13 @@ from types import MappingProxyType
 
 from contract.plan import BASE_MODEL_SLOT, CacheGeometry, StepPlan, StepResult, TokenLogprobs
 from scheduling.block_manager import KVBlockManager
+from scheduling.cache_pins import CachePins
+from scheduling.cache_tiers import LowerTiers
 from scheduling.lora_residency import LoraResidency
 from scheduling.preemption import PreemptionEvent, PreemptionMode, choose_victim, victims_in_order
 from scheduling.queue import RequestQueue, create_request_queue
 from scheduling.request import PriorityClass, Request, RequestId, RequestStatus, TokenEvent, finish_reason
-from scheduling.snapshot import BlockUse, ClassLoad, SchedulerSnapshot, StepCostStats
+from scheduling.snapshot import BlockUse, ClassLoad, SchedulerSnapshot, StepCostStats, TierStats
 from scheduling.step_builder import StepBuilder
 from scheduling.step_cost import CostCoefficients, StepWork
 from scheduling.step_shaper import ShapingConfig, StepShaper
@@ -62,6 +64,7 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True
     shaping: ShapingConfig = field(default_factory=ShapingConfig)
     max_loras: int = 0  # LoRA adapter slots on the device (scheduling/lora_residency.py); 0: base model only
+    max_pinned_blocks_per_tenant: int = 4096  # cache breakpoints' blocks each tenant may pin at once
 
 
 @dataclass(slots=True)
@@ -94,8 +97,12 @@ class Scheduler:
         self.clock = clock  # stamps first_scheduled_time; a virtual clock in simulations
         self.geometry = geometry
         self.tenants = tenants or TenantRegistry.single_default()
+        self.pins = CachePins(config.max_pinned_blocks_per_tenant, clock)
+        self._pins_expired_at = clock()
+        tiers = LowerTiers(geometry.num_host_blocks, geometry.num_disk_blocks, geometry.disk_block_hashes,
+                           self.pins.is_pinned)
         self.blocks = KVBlockManager(geometry.num_device_blocks, geometry.num_cpu_blocks, geometry.block_size,
-                                     config.enable_prefix_caching)
+                                     config.enable_prefix_caching, tiers, self.pins)
         self.vtc = {c: VirtualTokenCounter(config.service_weights, self.tenants.weight) for c in CLASSES}
         self.waiting: dict[PriorityClass, RequestQueue] = {
             c: create_request_queue(config.queue_policy, self.vtc[c]) for c in CLASSES}
@@ -159,17 +166,29 @@ class Scheduler:
         self.counters.num_steps += 1
         plan = StepPlan(finished_request_ids=self._finished_ids)
         self._finished_ids = []
+        self._expire_pins()
+        self._fill(plan)
+        plan.tier_copies = self.blocks.take_tier_copies()  # every allocation of the step is made
+        return plan
+
+    def _expire_pins(self) -> None:
+        """Once a second: a pin past its TTL no longer counts in its tenant's quota (it protects nothing
+        already, see CachePins.is_pinned)."""
+        if len(self.pins) and self.clock() - self._pins_expired_at >= 1.0:
+            self.pins.expire()
+            self._pins_expired_at = self.clock()
+
+    def _fill(self, plan: StepPlan) -> None:
         step = StepBuilder(plan, self.config.max_num_batched_tokens, self.blocks,
                            batch_floor_tokens=self._batch_reserve())
         made_room, interactive_demand = self._make_room_for_interactive(plan, step.tokens_left)
         if self._schedule_running(step, interactive_demand):
-            return plan  # bringing work in right after pushing work out would only thrash
+            return  # bringing work in right after pushing work out would only thrash
         self._open_shaped_budget(step, interactive_demand)
         # Room made for interactive requests is theirs in this very plan (the runner swaps out before
         # the forward); batch work waits for the next step. What must stay true: every swap-out of a
         # plan is decided before any swap-in, so no CPU block is freed and reused within one plan.
         self._resume_and_admit(step, (PriorityClass.INTERACTIVE,) if made_room else CLASSES)
-        return plan
 
     def _batch_reserve(self) -> int:
         """batch_min_share's tokens while any batch request is unfinished (waiting, running or swapped)."""
@@ -371,7 +390,8 @@ class Scheduler:
                 if len(self.running) >= self.config.max_num_seqs or step.tokens_left <= 0:
                     return False
                 if (self.limits.holds_back(request, min(request.num_uncomputed_tokens, step.tokens_left))
-                        or not self.lora.can_acquire(request.adapter)):  # waits for a LoRA slot as for blocks
+                        or not self.lora.can_acquire(request.adapter)  # waits for a LoRA slot as for blocks
+                        or self.blocks.read_from_disk(request)):  # admitted once its cached blocks are read
                     passed_over.add(request.tenant_id)
                     continue
                 if not self._admit(request, step):
@@ -382,13 +402,16 @@ class Scheduler:
     def _admit(self, request: Request, step: StepBuilder) -> bool:
         """Start a waiting request: share its cached prefix, allocate the rest of its first chunk."""
         cached_prefix = self.blocks.cached_prefix(request)
-        num_cached = len(cached_prefix) * self.geometry.block_size
+        copied_up = self.blocks.host_prefix(request, len(cached_prefix))  # its prefix goes on in host memory
+        num_cached = (len(cached_prefix) + len(copied_up)) * self.geometry.block_size
         num_new = min(request.num_tokens - request.num_computed_tokens - num_cached, step.tokens_left)
-        num_new = self._shaped(step, request, num_new, InteractiveDemand())
-        if num_new <= 0 or not self.blocks.allocate(request, num_new, cached_prefix):
+        num_new = self._shaped(step, request, num_new, InteractiveDemand(), len(copied_up))  # a copy up costs
+        if num_new <= 0 or not self.blocks.allocate(request, num_new, cached_prefix, copied_up):
             return False
         request.num_computed_tokens += num_cached
         self.blocks.record_prefix_query(request, num_cached)
+        if request.cache_pin_tokens:  # a hit on a breakpoint keeps it for another TTL
+            self.blocks.pin_breakpoint(request)
         if request.first_scheduled_time is None:
             request.first_scheduled_time = self.clock()
         if request.num_preemptions == 0:  # usage reports the first admission's hits
@@ -448,6 +471,8 @@ class Scheduler:
         cache is asked to register blocks only when a block was completed."""
         events: list[TokenEvent] = self._end_failed_lora_loads(result.failed_lora_loads) \
             if result.failed_lora_loads else []  # nearly always empty: no call on the common step
+        if result.lost_disk_blocks or result.failed_disk_reads:
+            self.blocks.tiers_lost(result.lost_disk_blocks, result.failed_disk_reads)
         sampled_by_class: dict[PriorityClass, dict[str, int]] = {c: {} for c in CLASSES}  # per tenant
         requests, block_size, max_model_len = self.requests, self.geometry.block_size, self.geometry.max_model_len
         sampled_tokens, logprobs_of, prompt_logprobs_of = (result.sampled_token_ids, result.logprobs,
@@ -502,9 +527,11 @@ class Scheduler:
         charged: the scheduler chose it, not the tenant, and charging it would push the tenant
         preempted most further behind."""
         end = min(start + num_fed, request.num_prompt_tokens)
-        num_prefill = max(0, end - max(start, request.num_charged_prompt_tokens))
+        first = max(start, request.num_charged_prompt_tokens)
+        num_prefill = max(0, end - first)
         request.num_charged_prompt_tokens = max(request.num_charged_prompt_tokens, end)
-        self.vtc[request.priority].charge(request.tenant_id, num_prefill, 0)
+        num_pinned = max(0, min(end, request.cache_pin_tokens) - first)  # written to a breakpoint's blocks
+        self.vtc[request.priority].charge(request.tenant_id, num_prefill, 0, num_pinned_prompt=num_pinned)
 
     def _end_failed_lora_loads(self, failures: tuple[tuple[int, str], ...]) -> list[TokenEvent]:
         """End, with the runner's reason, the running requests whose adapter could not be loaded: their
@@ -579,7 +606,17 @@ class Scheduler:
             blocks_swapped_out=c.blocks_swapped_out, blocks_swapped_in=c.blocks_swapped_in,
             bytes_per_block=self.geometry.bytes_per_block, num_finished=c.num_finished, num_aborted=c.num_aborted,
             step_cost=self._step_cost_stats(),
+            tiers=self._tier_stats(),
         )
+
+    def _tier_stats(self) -> Mapping[str, TierStats]:
+        tiers = self.blocks.tiers
+        if tiers is None:
+            return MappingProxyType({})
+        return MappingProxyType({
+            index.name: TierStats(len(index), index.capacity, index.counters.hits, index.counters.writes,
+                                  index.counters.evictions, index.counters.lost)
+            for index in (tiers.host, tiers.disk) if index.capacity})
 
     def _step_cost_stats(self) -> StepCostStats:
         model, counters = self.shaper.cost_model, self.shaper.counters

@@ -35,6 +35,18 @@ class BlockUse:
 
 
 @dataclass(slots=True, frozen=True)
+class TierStats:
+    """One lower tier of the prefix cache (scheduling/cache_tiers.py)."""
+
+    blocks: int
+    capacity: int
+    hits: int  # blocks found here and copied up (host) or read (disk) for a request
+    writes: int
+    evictions: int
+    lost: int  # writes dropped or failed, reads that failed
+
+
+@dataclass(slots=True, frozen=True)
 class StepCostStats:
     """The step cost model and what step shaping did (see scheduling/step_shaper.py)."""
 
@@ -64,6 +76,7 @@ class SchedulerSnapshot:
     num_finished: int = 0
     num_aborted: int = 0
     step_cost: StepCostStats = field(default_factory=StepCostStats)
+    tiers: Mapping[str, TierStats] = field(default_factory=lambda: MappingProxyType({}))  # "host", "disk" when set
 
     @property
     def running(self) -> int:

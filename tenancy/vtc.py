@@ -17,6 +17,7 @@ class ServiceWeights:
     prompt: float = 1.0  # w_p, per prompt token computed
     decode: float = 2.0  # w_q, per generated token
     cached_prompt: float = 0.1  # multiplier of w_p for prompt tokens served from the prefix cache
+    cache_write: float = 1.25  # multiplier of w_p for prompt tokens written to blocks a breakpoint pins
 
 
 class VirtualTokenCounter:
@@ -33,13 +34,17 @@ class VirtualTokenCounter:
     def snapshot(self) -> dict[str, float]:
         return dict(self._counters)
 
-    def service(self, num_prompt: int, num_decode: int, num_cached_prompt: int = 0) -> float:
-        """Unweighted service of some work, in the VTC's cost units."""
+    def service(self, num_prompt: int, num_decode: int, num_cached_prompt: int = 0, num_pinned_prompt: int = 0
+                ) -> float:
+        """Unweighted service of some work, in the VTC's cost units. num_pinned_prompt of the num_prompt
+        tokens were written to pinned blocks: they cost cache_write times w_p instead of w_p."""
         w = self.weights
-        return w.prompt * num_prompt + w.decode * num_decode + w.prompt * w.cached_prompt * num_cached_prompt
+        return (w.prompt * num_prompt + w.decode * num_decode + w.prompt * w.cached_prompt * num_cached_prompt
+                + w.prompt * (w.cache_write - 1.0) * num_pinned_prompt)
 
-    def charge(self, tenant_id: str, num_prompt: int, num_decode: int, num_cached_prompt: int = 0) -> None:
-        cost = self.service(num_prompt, num_decode, num_cached_prompt)
+    def charge(self, tenant_id: str, num_prompt: int, num_decode: int, num_cached_prompt: int = 0,
+               num_pinned_prompt: int = 0) -> None:
+        cost = self.service(num_prompt, num_decode, num_cached_prompt, num_pinned_prompt)
         if cost:
             self._counters[tenant_id] = self.get(tenant_id) + cost / self._tenant_weight(tenant_id)
             self._charged[tenant_id] = self._charged.get(tenant_id, 0.0) + cost

@@ -331,6 +331,26 @@ class EngineCollector(Collector):
         yield gauge("cpu_cache_usage_perc", "Share of CPU swap-pool blocks in use, 0 to 1 (vLLM's older name)."
                     ).add(cpu)
 
+    @staticmethod
+    def _tiers(snapshot: SchedulerSnapshot, families: _Families) -> Iterator[_Family]:
+        """The prefix cache's host and disk tiers, a `tier` label each (absent when none is set)."""
+        if not snapshot.tiers:
+            return
+        blocks = families.gauge("prefix_cache_tier_blocks", "Blocks kept in a lower tier of the prefix cache.", "tier")
+        stored = families.gauge("prefix_cache_tier_bytes", "Bytes kept in a lower tier of the prefix cache.", "tier")
+        counts = {what: families.counter(f"prefix_cache_tier_{what}", text, "tier") for what, text in (
+            ("hits", "Blocks found in a tier and copied up (host) or read (disk) for a request."),
+            ("writes", "Blocks written into a tier."), ("evictions", "Blocks evicted from a tier."),
+            ("lost", "Blocks a tier could not keep or read back (dropped or failed writes, failed reads)."))}
+        for name, tier in snapshot.tiers.items():
+            blocks.add(tier.blocks, name)
+            stored.add(tier.blocks * snapshot.bytes_per_block, name)
+            for what, family in counts.items():
+                family.add(getattr(tier, what), name)
+        yield blocks
+        yield stored
+        yield from counts.values()
+
     def _scheduler_counters(self, snapshot: SchedulerSnapshot, families: _Families) -> Iterator[_Family]:
         counter = families.counter
         yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
@@ -340,6 +360,7 @@ class EngineCollector(Collector):
         for mode, count in snapshot.preemptions.items():
             preemptions.add(count, mode)
         yield preemptions
+        yield from self._tiers(snapshot, families)
         swap = counter("swap_bytes", "KV bytes copied between device and CPU pools.", "direction")
         swap.add(snapshot.blocks_swapped_out * snapshot.bytes_per_block, "out")
         yield swap.add(snapshot.blocks_swapped_in * snapshot.bytes_per_block, "in")

@@ -25,7 +25,8 @@ def build_runner(settings: Settings, loaded: LoadedModel) -> ModelRunner:
     budget = RunnerBudget(block_size=settings.block_size, kv_cache_bytes=settings.kv_cache_bytes,
                           swap_space_bytes=settings.swap_space_bytes, max_model_len=settings.max_model_len,
                           seed=settings.seed, kv_cache_memory_fraction=settings.kv_cache_memory_fraction,
-                          max_num_seqs=settings.max_num_seqs)
+                          max_num_seqs=settings.max_num_seqs, host_cache_bytes=settings.kv_host_cache_bytes,
+                          disk_cache_path=settings.kv_disk_cache_path, disk_cache_bytes=settings.kv_disk_cache_bytes)
     return ModelRunner(loaded, budget, CompileConfig(settings.compile_mode, settings.compile_cache_dir),
                        lora_serving_of(settings))
 
@@ -37,7 +38,8 @@ def lora_serving_of(settings: Settings) -> LoraServing | None:
 
 
 def scheduler_config_of(settings: Settings) -> SchedulerConfig:
-    weights = ServiceWeights(settings.vtc_prompt_weight, settings.vtc_decode_weight, settings.cached_token_weight)
+    weights = ServiceWeights(settings.vtc_prompt_weight, settings.vtc_decode_weight, settings.cached_token_weight,
+                             settings.cache_write_weight)
     return SchedulerConfig(max_num_seqs=settings.max_num_seqs,
                            max_num_batched_tokens=settings.max_num_batched_tokens,
                            queue_policy=settings.queue_policy,
@@ -46,7 +48,8 @@ def scheduler_config_of(settings: Settings) -> SchedulerConfig:
                            service_weights=weights,
                            enable_prefix_caching=settings.enable_prefix_caching,
                            shaping=shaping_config_of(settings),
-                           max_loras=settings.max_loras if settings.enable_lora else 0)
+                           max_loras=settings.max_loras if settings.enable_lora else 0,
+                           max_pinned_blocks_per_tenant=settings.cache_pin_max_tokens // settings.block_size)
 
 
 def shaping_config_of(settings: Settings) -> ShapingConfig:

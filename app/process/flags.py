@@ -24,6 +24,10 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-memory-fraction", type=float,
                         help="the KV pool's share of the memory free after loading, without --kv-cache-bytes")
     parser.add_argument("--block-size", type=int)
+    parser.add_argument("--kv-host-cache-bytes", type=int,
+                        help="the prefix cache's host-memory tier: blocks leaving the KV pool are kept here")
+    parser.add_argument("--kv-disk-cache-path", help="the prefix cache's disk tier: a folder kept across restarts")
+    parser.add_argument("--kv-disk-cache-bytes", type=int, help="the disk tier's size (default 8 GiB)")
     parser.add_argument("--compile", dest="compile_mode", choices=["eager", "default", "max"],
                         help="the forward run eagerly or compiled by inductor (default; max: autotuned "
                              "GEMMs and a C++ wrapper); compiled at start-up, cached on disk")
@@ -38,6 +42,7 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
 
 MODEL_FLAG_KEYS = ("model", "device", "dtype", "quantization", "max_num_seqs", "max_num_batched_tokens",
                    "kv_cache_bytes", "kv_cache_memory_fraction", "block_size", "compile_mode",
+                   "kv_host_cache_bytes", "kv_disk_cache_path", "kv_disk_cache_bytes",
                    "enable_lora", "max_loras", "max_cpu_loras", "max_lora_rank", "lora_modules")
 
 

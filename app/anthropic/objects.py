@@ -21,12 +21,15 @@ PING_EVENT = b'event: ping\ndata: {"type":"ping"}\n\n'
 MESSAGE_STOP_EVENT = b'event: message_stop\ndata: {"type":"message_stop"}\n\n'
 
 
-def usage_fields(usage: Usage) -> dict[str, int]:
+def usage_fields(usage: Usage, num_pinnable_tokens: int = 0) -> dict[str, int]:
     """Anthropic counts the prompt in parts that add up to it: the tokens read from the prefix cache,
-    those written to a cache at a breakpoint (none: the prefix cache keeps every full block without
-    being asked), and the rest."""
-    return {"input_tokens": usage.prompt_tokens - usage.cached_tokens, "output_tokens": usage.completion_tokens,
-            "cache_read_input_tokens": usage.cached_tokens, "cache_creation_input_tokens": 0}
+    those written to it at a breakpoint (of the `num_pinnable_tokens` it keeps, those not read), and the
+    rest. Without a breakpoint nothing counts as written: the prefix cache keeps every full block
+    without being asked."""
+    num_written = max(0, num_pinnable_tokens - usage.cached_tokens)
+    return {"input_tokens": usage.prompt_tokens - usage.cached_tokens - num_written,
+            "output_tokens": usage.completion_tokens, "cache_read_input_tokens": usage.cached_tokens,
+            "cache_creation_input_tokens": num_written}
 
 
 @dataclass(slots=True, frozen=True)
@@ -35,11 +38,15 @@ class MessageHead:
 
     id: str
     model: str
+    num_pinnable_tokens: int = 0  # of its cache breakpoint (see Generations), for the usage
 
     def message(self, content: list[dict[str, Any]], stop_reason: str | None, stop_sequence: str | None,
                 usage: Usage) -> dict[str, Any]:
         return {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": content,
-                "stop_reason": stop_reason, "stop_sequence": stop_sequence, "usage": usage_fields(usage)}
+                "stop_reason": stop_reason, "stop_sequence": stop_sequence, "usage": self.usage(usage)}
+
+    def usage(self, usage: Usage) -> dict[str, int]:
+        return usage_fields(usage, self.num_pinnable_tokens)
 
 
 def sse_event(name: str, payload: dict[str, Any]) -> bytes:
@@ -97,7 +104,7 @@ class MessageEvents:
 
     def stop(self, stop_reason: str, stop_sequence: str | None, usage: Usage) -> bytes:
         delta = {"type": "message_delta", "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
-                 "usage": usage_fields(usage)}
+                 "usage": self._head.usage(usage)}
         return self._close() + sse_event("message_delta", delta) + MESSAGE_STOP_EVENT
 
     def _open(self, block: dict[str, Any]) -> bytes:

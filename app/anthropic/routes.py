@@ -79,9 +79,11 @@ class AnthropicRoutes:
         chat = self._chat_body(body)
         prompt = await self.starter.chat_prompt(chat)
         await self.starter.check_grammar(chat)
-        head = MessageHead("msg_" + uuid.uuid4().hex, body.model)  # the base model or an adapter
+        message_id = "msg_" + uuid.uuid4().hex
         # Every request of this API is interactive: its service tiers both ask for standard capacity.
-        started = self.starter.start(head.id, chat, [prompt], tenant, "messages", PriorityClass.INTERACTIVE)
+        started = self.starter.start(message_id, chat, [prompt], tenant, "messages", PriorityClass.INTERACTIVE,
+                                     await self.starter.cache_pin(chat, prompt))
+        head = MessageHead(message_id, body.model, started.num_pinnable_tokens)  # the base model or an adapter
         if body.stream:
             return EventStreamResponse(self._events(started, chat, head), started.headers)
         try:

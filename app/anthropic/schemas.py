@@ -12,7 +12,14 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from app.openai.schemas import MAX_STOP_STRINGS, FieldRefused, StrictModel, Unsupported
+from app.openai.schemas import (
+    MAX_CACHE_BREAKPOINTS,
+    MAX_STOP_STRINGS,
+    CacheControl,
+    FieldRefused,
+    StrictModel,
+    Unsupported,
+)
 
 ToolName = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_-]+$")]
 StopSequence = Annotated[str, Field(min_length=1, max_length=1024)]
@@ -35,13 +42,6 @@ UNSUPPORTED_BLOCKS = {
 UnsupportedType = Literal["image", "document", "search_result", "container_upload", "thinking", "redacted_thinking",
                           "server_tool_use", "web_search_tool_result", "web_fetch_tool_result",
                           "code_execution_tool_result", "mcp_tool_use", "mcp_tool_result"]
-
-
-class CacheControl(StrictModel):
-    """A prompt-caching breakpoint: accepted as a hint; the prefix cache finds shared prefixes itself."""
-
-    type: Literal["ephemeral"]
-    ttl: Literal["5m", "1h"] | None = None
 
 
 class TextBlock(StrictModel):
@@ -143,7 +143,7 @@ class MessagesInput(StrictModel):
     tools: list[ToolDefinition] | None = None
     tool_choice: ToolChoice | None = None
     thinking: dict[str, Any] | None = None  # only {"type": "disabled"}: the model does not think first
-    cache_control: CacheControl | None = None
+    cache_control: CacheControl | None = None  # automatic caching: a breakpoint after the last message
 
     def check_fields(self) -> None:
         """Raise FieldRefused for what is well-formed but makes no sense, Unsupported for what this
@@ -157,6 +157,23 @@ class MessagesInput(StrictModel):
             raise Unsupported("A final assistant message (a prefill to continue) is not supported by this server: "
                               "the assistant's turn is always a new message.", f"messages.{len(self.messages) - 1}")
         self._check_tools()
+        num_marks = self.num_cache_controls
+        if num_marks > MAX_CACHE_BREAKPOINTS:
+            raise FieldRefused(f"A maximum of {MAX_CACHE_BREAKPOINTS} blocks with cache_control may be provided. "
+                               f"Found {num_marks}.", "cache_control")
+
+    @property
+    def num_cache_controls(self) -> int:
+        """The breakpoints asked for: blocks (and tools) with a cache_control, and the top-level one."""
+        blocks: list[TextBlock | ToolUseBlock | ToolResultBlock | ToolDefinition] = [
+            *(self.tools or []), *(self.system if isinstance(self.system, list) else [])]
+        for message in self.messages:
+            for block in message.content if isinstance(message.content, list) else []:
+                if isinstance(block, ToolResultBlock) and isinstance(block.content, list):
+                    blocks += [part for part in block.content if isinstance(part, TextBlock)]
+                if not isinstance(block, UnsupportedBlock):  # refused before this is asked
+                    blocks.append(block)
+        return sum(block.cache_control is not None for block in blocks) + (self.cache_control is not None)
 
     def _check_tools(self) -> None:
         names = [tool.name for tool in self.tools or []]

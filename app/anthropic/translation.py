@@ -9,6 +9,12 @@ The mapping, field by field:
   "auto" / "required" / the named function / "none", and `disable_parallel_tool_use` is
   `parallel_tool_calls: false`. Forced calls are shaped by the grammar engine as in chat.
 - `stop_sequences` are stop strings; `max_tokens`, `temperature`, `top_p` and `top_k` keep their names.
+- `cache_control` marks go with what they mark, so the chat machinery finds the breakpoint there
+  (`ChatCompletionBody.cache_breakpoint`): a text block's on its text part, a tool_use's on its
+  assistant message, a tool_result's (or one of its text blocks') on its tool message. Tools are
+  rendered by chat templates in the system area, ahead of every message: a tool definition's mark goes
+  on the first chat message (the system message when there is one). The top-level mark (automatic
+  caching) goes on the last message.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ from app.anthropic.schemas import (
     ToolResultBlock,
     ToolUseBlock,
 )
-from app.openai.schemas import ChatCompletionBody
+from app.openai.schemas import CacheControl, ChatCompletionBody
 from app.openai.tools import ToolCall
 
 OPENAI_CALL_PREFIX = "call_"
@@ -49,7 +55,23 @@ def chat_messages(body: MessagesInput) -> list[dict[str, Any]]:
         messages.append({"role": "system", "content": system})
     for message in body.messages:
         messages.extend(_TURNS[message.role](message))
+    for tool in body.tools or []:
+        _mark(messages[0], tool.cache_control)
+    _mark(messages[-1], body.cache_control)
     return messages
+
+
+def _mark(message: dict[str, Any], control: CacheControl | None) -> None:
+    """Put a cache_control on a chat message; of two on one message, the longer TTL is kept."""
+    if control is None:
+        return
+    held = message.get("cache_control")
+    if held is None or CacheControl.model_validate(held).ttl_s < control.ttl_s:
+        message["cache_control"] = _cache_control(control)
+
+
+def _cache_control(control: CacheControl) -> dict[str, Any]:
+    return control.model_dump(exclude_none=True)
 
 
 def _user_turn(message: Message) -> list[dict[str, Any]]:
@@ -67,10 +89,20 @@ def _user_turn(message: Message) -> list[dict[str, Any]]:
             turn.append({"role": "user", "content": _text_parts(texts)})
             texts = []
         if isinstance(block, ToolResultBlock):
-            turn.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": block.text})
+            turn.append(_tool_message(block))
     if texts or not turn:
         turn.append({"role": "user", "content": _text_parts(texts)})
     return turn
+
+
+def _tool_message(block: ToolResultBlock) -> dict[str, Any]:
+    """A tool's answer as a tool message, carrying its own mark or one of its text blocks'."""
+    tool_message: dict[str, Any] = {"role": "tool", "tool_call_id": block.tool_use_id, "content": block.text}
+    _mark(tool_message, block.cache_control)
+    for part in block.content if isinstance(block.content, list) else []:
+        if isinstance(part, TextBlock):
+            _mark(tool_message, part.cache_control)
+    return tool_message
 
 
 def _system_turn(message: Message) -> list[dict[str, Any]]:
@@ -88,11 +120,17 @@ def _assistant_turn(message: Message) -> list[dict[str, Any]]:
              for block in message.content if isinstance(block, ToolUseBlock)]
     if not calls:
         return [{"role": "assistant", "content": _text_parts(texts)}]
-    return [{"role": "assistant", "content": _text_parts(texts) if texts else None, "tool_calls": calls}]
+    turn: dict[str, Any] = {"role": "assistant", "content": _text_parts(texts) if texts else None, "tool_calls": calls}
+    for block in message.content:
+        if isinstance(block, ToolUseBlock):
+            _mark(turn, block.cache_control)
+    return [turn]
 
 
 def _text_parts(blocks: list[TextBlock]) -> list[dict[str, Any]]:
-    return [{"type": "text", "text": block.text} for block in blocks]
+    return [{"type": "text", "text": block.text,
+             **({} if block.cache_control is None else {"cache_control": _cache_control(block.cache_control)})}
+            for block in blocks]
 
 
 _TURNS: dict[str, Callable[[Message], list[dict[str, Any]]]] = {

@@ -37,7 +37,15 @@ from app.openai.objects import (
 )
 from app.openai.sampling import best_choices
 from app.openai.schemas import ChatCompletionBody, CompletionBody, FieldRefused, GenerationBody
-from app.openai.submission import RETRY_AFTER_S, THREAD_TOKENIZE_CHARS, ChoiceStarter, Generations, shutting_down
+from app.openai.submission import (
+    NO_PIN,
+    RETRY_AFTER_S,
+    THREAD_TOKENIZE_CHARS,
+    CachePin,
+    ChoiceStarter,
+    Generations,
+    shutting_down,
+)
 from app.openai.tools import (
     ToolStream,
     tool_finish_reason,
@@ -143,6 +151,10 @@ class OpenAIRoutes:
         assert isinstance(body, ChatCompletionBody)
         return [await self.starter.chat_prompt(body)]
 
+    async def _cache_pin(self, body: GenerationBody, prompts: list[list[int]]) -> CachePin:
+        """A chat body's cache breakpoint (completions have none: they name no messages)."""
+        return await self.starter.cache_pin(body, prompts[0]) if isinstance(body, ChatCompletionBody) else NO_PIN
+
     async def _completion_prompt(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
             return await self._tokenize(self.context.tokenizer.encode, prompt, len(prompt))
@@ -184,7 +196,7 @@ class OpenAIRoutes:
         await self.starter.check_grammar(body)
         completion_id = flavor.id_prefix + uuid.uuid4().hex
         started = self.starter.start(completion_id, body, prompts, tenant, flavor.prompt_param,
-                                     self._priority_of(body))
+                                     self._priority_of(body), await self._cache_pin(body, prompts))
         envelope = Envelope(completion_id, int(time.time()), body.model, body.service_tier)
         logprobs = self._logprobs_format(body)
         if body.is_stream:
@@ -233,8 +245,9 @@ class OpenAIRoutes:
         try:
             body: GenerationBody = self._validated(body_type, {**raw_body, "stream": False})
             await self.starter.check_grammar(body)
-            started = self.starter.start(completion_id, body, await self._prompts_of(body), tenant,
-                                         flavor.prompt_param, PriorityClass.BATCH)
+            prompts = await self._prompts_of(body)
+            started = self.starter.start(completion_id, body, prompts, tenant, flavor.prompt_param,
+                                         PriorityClass.BATCH, await self._cache_pin(body, prompts))
             envelope = Envelope(completion_id, int(time.time()), body.model, body.service_tier)
             return 200, completion_id, await self._whole(started, body, envelope, flavor)
         except GenerationFailed as exc:

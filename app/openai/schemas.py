@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 # 'flex' and 'batch' ask for the batch class; every other tier is served as interactive.
 ServiceTier = Literal["auto", "default", "flex", "batch", "priority", "scale", "fast"]
@@ -24,6 +24,9 @@ MAX_CHOICES = 64  # n (and best_of): each choice holds its own KV blocks while i
 MAX_TOP_LOGPROBS = 20  # chat's top_logprobs, as OpenAI
 MAX_COMPLETION_LOGPROBS = 20  # completions' logprobs: OpenAI allows 5, vLLM 20
 MAX_PROMPTS = 64  # prompts in one completions request
+MAX_CACHE_BREAKPOINTS = 4  # cache_control marks in one request, as Anthropic allows
+CACHE_TTL_S = {"5m": 300.0, "1h": 3600.0}
+DEFAULT_CACHE_TTL = "5m"
 
 StopString = Annotated[str, Field(min_length=1, max_length=1024)]
 PromptText = Annotated[str, Field(min_length=1)]
@@ -39,12 +42,38 @@ class StreamOptions(StrictModel):
     continuous_usage_stats: bool | None = None  # vLLM's: usage on every chunk, not only at the end
 
 
+class CacheControl(StrictModel):
+    """An explicit cache breakpoint (Anthropic's `cache_control`): the prompt up to here is kept in the
+    prefix cache for the TTL after its last use, within the tenant's pin quota (scheduling/cache_pins.py)."""
+
+    type: Literal["ephemeral"]
+    ttl: Literal["5m", "1h"] | None = None  # None: 5m
+
+    @property
+    def ttl_s(self) -> float:
+        return CACHE_TTL_S[self.ttl or DEFAULT_CACHE_TTL]
+
+
+def cache_control_at(raw: dict[str, Any], param: str) -> CacheControl:
+    """A chat message's (or part's) raw cache_control, checked: a FieldRefused naming `param` if it is not
+    one. Kept raw in the body so that a bad one inside a part is named plainly, not as a failed union."""
+    try:
+        return CacheControl.model_validate(raw)
+    except ValidationError as exc:
+        first = exc.errors(include_url=False)[0]
+        where = ".".join([param, *(str(part) for part in first["loc"])])
+        if first["type"] == "extra_forbidden":
+            raise FieldRefused(f"Unrecognized request argument supplied: {where}", param) from None
+        raise FieldRefused(f"Invalid value for '{where}': {first['msg']}", param) from None
+
+
 class TextPart(StrictModel):
     """One part of a message's content; only text parts are understood by a text-only model."""
 
     type: Literal["text"]
     text: str
     prompt_cache_breakpoint: dict[str, Any] | None = None  # a hint: the prefix cache needs no breakpoints
+    cache_control: dict[str, Any] | None = None  # a CacheControl, checked by ChatCompletionBody.check_fields
 
 
 class FunctionCall(StrictModel):
@@ -67,6 +96,7 @@ class ChatMessage(StrictModel):
     refusal: str | None = None  # an assistant's earlier refusal, kept as its text
     audio: dict[str, Any] | None = None  # an earlier audio answer's id: refused (text only)
     function_call: dict[str, Any] | None = None  # the deprecated form of tool_calls: refused
+    cache_control: dict[str, Any] | None = None  # a CacheControl, checked by ChatCompletionBody.check_fields
 
     @model_validator(mode="after")
     def _content_where_required(self) -> ChatMessage:
@@ -85,6 +115,15 @@ class ChatMessage(StrictModel):
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
+
+    def cache_controls(self, where: str) -> list[tuple[str, dict[str, Any]]]:
+        """(param, raw cache_control) of the message and of each of its parts that carries one; `where`
+        names the message."""
+        marked = [] if self.cache_control is None else [(f"{where}.cache_control", self.cache_control)]
+        if isinstance(self.content, list):
+            marked += [(f"{where}.content.{index}.cache_control", part.cache_control)
+                       for index, part in enumerate(self.content) if part.cache_control is not None]
+        return marked
 
 
 class FunctionDefinition(StrictModel):
@@ -299,6 +338,16 @@ class ChatCompletionBody(GenerationBody):
             "echo": ((False,), "chat completions do not echo the prompt; completions do"),
         })
         self._check_tools()
+        self._check_cache_controls()
+
+    def _check_cache_controls(self) -> None:
+        marked = [mark for index, message in enumerate(self.messages)
+                  for mark in message.cache_controls(f"messages.{index}")]
+        for param, raw in marked:
+            cache_control_at(raw, param)
+        if len(marked) > MAX_CACHE_BREAKPOINTS:
+            raise FieldRefused(f"A maximum of {MAX_CACHE_BREAKPOINTS} cache_control breakpoints may be given; "
+                               f"found {len(marked)}.", "messages")
 
     def _check_tools(self) -> None:
         names = [tool.function.name for tool in self.tools or []]
@@ -313,6 +362,18 @@ class ChatCompletionBody(GenerationBody):
         if forced and self.response_format is not None and self.response_format.type != "text":
             raise FieldRefused("A forced tool call and a response_format cannot both shape the output.",
                                "response_format")
+
+    @property
+    def cache_breakpoint(self) -> tuple[int, CacheControl] | None:
+        """(index, cache_control) of the last message that carries a cache_control, on itself or on a
+        part: the prompt through that message is to be kept. Message granularity: a mark on a part keeps
+        its whole message. Of several marks on that message, the longest TTL."""
+        for index in reversed(range(len(self.messages))):
+            marked = self.messages[index].cache_controls(f"messages.{index}")
+            if marked:
+                controls = [cache_control_at(raw, param) for param, raw in marked]
+                return index, max(controls, key=lambda control: control.ttl_s)
+        return None
 
     @property
     def requested_max_tokens(self) -> int | None:

@@ -1,6 +1,13 @@
 """Starting a response's choices: build each choice's engine request, take the tenant's quota for
 all of them or none, submit the first choice of each prompt and defer the others (app/serving/choices.py).
-Every refusal on the way is an APIError, and nothing stays taken after one."""
+Every refusal on the way is an APIError, and nothing stays taken after one.
+
+A chat body's explicit cache breakpoint (`cache_control`, see `ChatCompletionBody.cache_breakpoint`)
+becomes each engine request's `cache_pin_tokens`: the leading tokens of the prompt that the chat
+template renders for the messages through the marked one. The template is given that prefix alone;
+as it always opens the assistant's turn after it, the pin is the longest common prefix of that
+rendering and the whole prompt: exactly the tokens the two share, which is what the cache can keep.
+"""
 
 from __future__ import annotations
 
@@ -34,6 +41,17 @@ def shutting_down() -> APIError:
     return APIError(503, SHUTTING_DOWN, code="server_shutting_down", headers={"retry-after": RETRY_AFTER_S})
 
 
+@dataclass(slots=True, frozen=True)
+class CachePin:
+    """A prompt's explicit cache breakpoint, as the engine request carries it."""
+
+    num_tokens: int = 0  # the prompt's leading tokens to keep; 0: no breakpoint
+    ttl_s: float = 0.0  # kept this long after the last request that uses them
+
+
+NO_PIN = CachePin()
+
+
 @dataclass(slots=True)
 class Generations:
     """One response's choices, started, and what the reply needs besides them."""
@@ -42,6 +60,10 @@ class Generations:
     headers: dict[str, str]
     prefixes: list[str]  # per choice: the echoed prompt of a completion, else ""
     tool_streams: list[ToolStream] | None = None  # per choice, when a chat request uses tools
+    # The prompt tokens its breakpoint can keep: the full blocks before it, never the block of the last
+    # prompt token (always computed). 0 without a breakpoint or a prefix cache. Messages API usage
+    # reports what of these was not read from the cache as written to it.
+    num_pinnable_tokens: int = 0
 
 
 
@@ -55,16 +77,36 @@ class ChoiceStarter:
     async def chat_prompt(self, chat: ChatCompletionBody, param: str = "messages") -> list[int]:
         """The chat template's prompt for the body; long ones are tokenized off the event loop. A
         conversation the template refuses is a 400 naming `param`, the field it came from."""
-        tokenizer = self.context.tokenizer
-        messages = template_messages(chat, tokenizer.knows_tools)
-        tools = template_tools(chat) if tokenizer.knows_tools else None
         try:
-            if sum(len(message["content"] or "") for message in messages) < THREAD_TOKENIZE_CHARS:
-                return tokenizer.encode_chat(messages, tools)
-            return await run_in_threadpool(tokenizer.encode_chat, messages, tools)
+            return await self._render(chat)
         except Exception as exc:  # chat templates raise what they like (e.g. roles that must alternate)
             raise APIError(400, f"The model's chat template cannot render these messages: {exc}",
                            param=param) from None
+
+    async def cache_pin(self, chat: ChatCompletionBody, prompt: list[int]) -> CachePin:
+        """The breakpoint of a chat body's `cache_control` marks (see the module's docstring), for its
+        template's `prompt`; NO_PIN without one. A prefix the template refuses to render alone (one
+        that must end on a user's turn, say) is no breakpoint: the request is served without a pin."""
+        marked = chat.cache_breakpoint
+        if marked is None:
+            return NO_PIN
+        index, control = marked
+        if index == len(chat.messages) - 1:  # the whole conversation: the prefix is the prompt
+            return CachePin(len(prompt), control.ttl_s)
+        prefix = chat.model_copy(update={"messages": chat.messages[:index + 1]})
+        try:
+            rendered = await self._render(prefix)
+        except Exception:  # as chat_prompt's: whatever the template raises
+            return NO_PIN
+        return CachePin(_common_prefix_length(rendered, prompt), control.ttl_s)
+
+    async def _render(self, chat: ChatCompletionBody) -> list[int]:
+        tokenizer = self.context.tokenizer
+        messages = template_messages(chat, tokenizer.knows_tools)
+        tools = template_tools(chat) if tokenizer.knows_tools else None
+        if sum(len(message["content"] or "") for message in messages) < THREAD_TOKENIZE_CHARS:
+            return tokenizer.encode_chat(messages, tools)
+        return await run_in_threadpool(tokenizer.encode_chat, messages, tools)
 
     async def check_grammar(self, body: GenerationBody, format_param: str = "response_format") -> None:
         """A 400 for a schema (of the output format, named `format_param` in the caller's API, or of a
@@ -90,20 +132,31 @@ class ChoiceStarter:
         return APIError(500, str(exc), type=SERVER_ERROR)
 
     def start(self, completion_id: str, body: GenerationBody, prompts: list[list[int]], tenant: Tenant,
-               prompt_param: str, priority: PriorityClass) -> Generations:
-        """Build, admit and submit every choice's engine request; on any refusal nothing stays taken."""
+              prompt_param: str, priority: PriorityClass, cache_pin: CachePin = NO_PIN) -> Generations:
+        """Build, admit and submit every choice's engine request; on any refusal nothing stays taken.
+        `cache_pin` (from `cache_pin()`) is set on every one of them."""
         if any(not prompt for prompt in prompts):
             raise APIError(400, "The prompt is empty once tokenized.", param=prompt_param)
-        requests = self._engine_requests(completion_id, body, prompts, tenant, priority)
+        requests = self._engine_requests(completion_id, body, prompts, tenant, priority, cache_pin)
         self.context.gate.check_class(tenant, priority)
         headers = self._admit_all(tenant, requests)
         choices = self._submit_all(requests, body, prompt_param)
         tool_streams = [ToolStream(body) for _ in requests] \
             if isinstance(body, ChatCompletionBody) and uses_tools(body) else None
-        return Generations(choices, headers, self._echoed_prefixes(body, prompts), tool_streams)
+        return Generations(choices, headers, self._echoed_prefixes(body, prompts), tool_streams,
+                           self._pinnable_tokens(cache_pin, prompts))
+
+    def _pinnable_tokens(self, cache_pin: CachePin, prompts: list[list[int]]) -> int:
+        """What the prefix cache can keep of the breakpoint: whole blocks, short of the last prompt token's
+        (see KVBlockManager.pin_breakpoint and cached_prefix)."""
+        if not cache_pin.num_tokens or not self.context.settings.enable_prefix_caching:
+            return 0
+        block_size = self.context.geometry.block_size
+        num_prompt_tokens = min(len(prompt) for prompt in prompts)
+        return min(cache_pin.num_tokens // block_size, (num_prompt_tokens - 1) // block_size) * block_size
 
     def _engine_requests(self, completion_id: str, body: GenerationBody, prompts: list[list[int]],
-                         tenant: Tenant, priority: PriorityClass) -> list[EngineRequest]:
+                         tenant: Tenant, priority: PriorityClass, cache_pin: CachePin) -> list[EngineRequest]:
         sampling = sampling_params(body, self.context.tokenizer)
         stop_token_ids = self._stop_token_ids(body)
         if sampling.min_tokens:
@@ -119,7 +172,8 @@ class ChoiceStarter:
             seeded = sampling if sampling.seed is None else replace(sampling, seed=sampling.seed + index % per_prompt)
             requests.append(EngineRequest(RequestId(request_id), prompt, self._max_tokens(body, len(prompt)), seeded,
                                           stop_token_ids=stop_token_ids, tenant_id=tenant.tenant_id,
-                                          priority=priority, cache_salt=salt, adapter=adapter))
+                                          priority=priority, cache_salt=salt, adapter=adapter,
+                                          cache_pin_tokens=cache_pin.num_tokens, cache_pin_ttl_s=cache_pin.ttl_s))
         return requests
 
     def _stop_token_ids(self, body: GenerationBody) -> frozenset[int]:
@@ -222,6 +276,13 @@ class ChoiceStarter:
                 raise APIError(503, f"The server cannot serve requests: {exc}.", code="engine_failed",
                                headers={"retry-after": RETRY_AFTER_S}) from None
             raise shutting_down() from None
+
+
+def _common_prefix_length(first: list[int], second: list[int]) -> int:
+    for index, (a, b) in enumerate(zip(first, second, strict=False)):
+        if a != b:
+            return index
+    return min(len(first), len(second))
 
 
 def _already_set() -> asyncio.Event:

@@ -28,6 +28,7 @@ from loadtest.soak_report import build_soak_report, drift, latency_windows, soak
 from loadtest.soak_traffic import CHAT, MIX, Traffic
 from loadtest.tenants import main as tenants_main
 from tests.app.conftest import wait_for
+from tests.conftest import REPO_ROOT
 
 FAIRLANE = Path(sys.executable).with_name("fairlane")
 STARTED_LINE = re.compile(r"Uvicorn running on (http://127\.0\.0\.1:\d+)")
@@ -115,7 +116,9 @@ def soak_server(tmp_path: Path) -> Iterator[tuple[str, Path]]:
     client_file, server_file = tmp_path / "client.toml", tmp_path / "server.toml"
     client_file.write_text(CLIENT_TENANTS)
     assert tenants_main([str(client_file), str(server_file)]) == 0
-    env = {**os.environ, "FAIRLANE_BATCH_DB_PATH": str(tmp_path / "fairlane.db"), "FAIRLANE_BATCH_POLL_S": "0.2",
+    # PYTHONPATH: the server runs this checkout's code even where the installed package points elsewhere.
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "FAIRLANE_BATCH_DB_PATH": str(tmp_path / "fairlane.db"),
+           "FAIRLANE_BATCH_POLL_S": "0.2",
            "FAIRLANE_SWAP_SPACE_BYTES": str(64 * MiB)}
     process = subprocess.Popen([str(FAIRLANE), "serve", "--model", "builtin:small", "--port", "0",
                                 "--tenants", str(server_file), "--kv-cache-bytes", str(32 * MiB)],

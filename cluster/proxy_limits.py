@@ -13,7 +13,6 @@ proxy leaving `http` at "auto"; the cluster tests check both end to end.
 
 from __future__ import annotations
 
-from functools import partial
 from typing import Any
 
 import uvicorn.config
@@ -35,5 +34,10 @@ def install_proxy_protocol(header_timeout_s: float, max_connections: int) -> Non
 
 def runtime_env(settings: Settings) -> dict[str, Any]:
     """The Ray job's runtime environment: every worker process installs the limits at its start."""
-    return {"worker_process_setup_hook": partial(install_proxy_protocol, settings.http_header_timeout_s,
-                                                 settings.max_connections)}
+    header_timeout_s, max_connections = settings.http_header_timeout_s, settings.max_connections
+
+    # A named function, not a partial: Ray exports the hook under its __name__.
+    def install_fairlane_proxy_limits() -> None:
+        install_proxy_protocol(header_timeout_s, max_connections)
+
+    return {"worker_process_setup_hook": install_fairlane_proxy_limits}

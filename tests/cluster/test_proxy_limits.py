@@ -26,5 +26,5 @@ def test_an_auto_uvicorn_loads_the_capped_header_timeout_protocol(monkeypatch: p
 
     assert isinstance(protocol, type) and issubclass(protocol, HeaderTimeoutProtocol)
     assert protocol.header_timeout_s == 3.5
-    instance = protocol(config=config, server_state=uvicorn.server.ServerState())  # type: ignore[call-arg]
+    instance = protocol(config=config, server_state=uvicorn.server.ServerState(), app_state={})  # type: ignore[call-arg]
     assert instance.limit_concurrency == uvicorn_limit_concurrency(7)

@@ -1,5 +1,7 @@
 """The ingress deployment: the single server's Starlette app (routes, quotas, SSE, Batch API,
-metrics) on a ClusterEngine, behind Ray Serve's HTTP proxy.
+metrics) on a ClusterEngine, behind Ray Serve's HTTP proxy. The single server's HTTP limits apply:
+the body timeout here, the head timeout and connection cap on the proxy (cluster.proxy_limits), the
+drain's 503 with Retry-After through `drain`.
 
 There is exactly one ingress replica: quotas (max_concurrent, tokens_per_minute) are counted once,
 here, across every engine replica, and the Batch API's SQLite store keeps its one writer.
@@ -13,8 +15,9 @@ from ray import serve
 from starlette.types import ASGIApp
 
 from app.plumbing.http_limits import BodyTimeoutMiddleware
-from app.process.server import create_app
+from app.process.server import create_app, drain
 from app.serving.context import ServingContext
+from cluster.addresses import bind_replica_grpc_to_node_address
 from cluster.remote_engine import ClusterEngine, RemoteExecutor
 from cluster.wire import ReplicaDescription
 from config.settings import Settings
@@ -27,6 +30,7 @@ REPORT_MAX_AGE_INTERVALS = 30
 @serve.ingress()
 class OpenAIIngress:
     async def __init__(self, settings: Settings, replicas: Any, board: Any) -> None:  # type: ignore[misc]  # Serve awaits it
+        bind_replica_grpc_to_node_address()
         description: ReplicaDescription = await replicas.describe.remote()
 
         def check_structured(structured: StructuredOutput) -> None:  # run in a worker thread by the routes
@@ -43,3 +47,9 @@ class OpenAIIngress:
     def __serve_build_asgi_app__(self) -> ASGIApp:
         settings = self.context.settings
         return BodyTimeoutMiddleware(create_app(self.context), settings.http_body_timeout_s)
+
+    async def drain(self) -> None:
+        """The single server's drain on SIGTERM: new requests get 503 with Retry-After while running
+        ones get the grace period, then the rest end with an error. The launcher calls it before
+        Serve stops anything."""
+        await drain(self.context)

@@ -2,8 +2,9 @@
 replicas and the ingress, until SIGTERM or Ctrl-C.
 
 Everything binds to loopback unless told otherwise: a local Ray instance gets node address
-127.0.0.1 (Ray would pick the machine's interface address), Serve's proxy listens on
-`settings.host`, and the dashboard stays off.
+127.0.0.1 (Ray would pick the machine's interface address), each replica's gRPC server binds to its
+node's address (cluster.addresses), Serve's proxy listens on `settings.host` with the single
+server's HTTP limits (cluster.proxy_limits), and the dashboard stays off.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from ray import serve
 from ray._private import ray_constants
 from ray.serve.config import RequestRouterConfig
 
+from cluster import proxy_limits
+from cluster.addresses import log_joined_cluster_addresses
 from cluster.ingress import OpenAIIngress
 from cluster.placement import gpu_share
 from cluster.replica import EngineReplica
@@ -43,14 +46,23 @@ ROUTER_CLASSES = {
 HEALTH_CHECK_PERIOD_S = 2.0
 # A stopping deployment's replicas finish their calls within this; the ingress ends its own streams first.
 GRACEFUL_SHUTDOWN_S = 5.0
+# The ingress's drain gives running requests the grace period, then ends the rest: this bounds the ending.
+DRAIN_MARGIN_S = 10.0
 OBJECT_STORE_BYTES = 256 * 1024 * 1024  # token events are small; Ray's default takes 30% of RAM
 
 
 @dataclass(slots=True, frozen=True)
 class RunningCluster:
     url: str  # the OpenAI API's base, e.g. http://127.0.0.1:8000
+    shutdown_grace_s: float  # what the ingress's drain gives running requests
 
     def stop(self) -> None:
+        """Drain the ingress as the single server drains (503 with Retry-After for new requests while
+        running ones finish), then take Serve and Ray down."""
+        try:
+            serve.get_app_handle(APP_NAME).drain.remote().result(timeout_s=self.shutdown_grace_s + DRAIN_MARGIN_S)
+        except Exception:  # a dead or stuck ingress must not keep the cluster up
+            logger.warning("the ingress did not drain; stopping anyway", exc_info=True)
         serve.shutdown()
         ray.shutdown()
 
@@ -77,10 +89,13 @@ def pin_ray_to_loopback() -> None:
 
 def start_ray(settings: Settings) -> None:
     if settings.ray_address is not None:
-        ray.init(address=settings.ray_address, logging_level=logging.WARNING)
+        ray.init(address=settings.ray_address, runtime_env=proxy_limits.runtime_env(settings),
+                 logging_level=logging.WARNING)
+        log_joined_cluster_addresses(settings.host, settings.port)
         return
     pin_ray_to_loopback()
     ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False,
+             runtime_env=proxy_limits.runtime_env(settings),
              object_store_memory=OBJECT_STORE_BYTES, logging_level=logging.WARNING)
 
 
@@ -123,7 +138,7 @@ def start_cluster(settings: Settings) -> RunningCluster:
         serve.shutdown()
         ray.shutdown()
         raise
-    return RunningCluster(f"http://{settings.host}:{settings.port}")
+    return RunningCluster(f"http://{settings.host}:{settings.port}", settings.shutdown_grace_s)
 
 
 def run_cluster(settings: Settings) -> int:

@@ -19,6 +19,7 @@ from typing import Any
 
 from ray import serve
 
+from cluster.addresses import bind_replica_grpc_to_node_address
 from cluster.service import ServiceMeter
 from cluster.wire import ReplicaCall, ReplicaDescription, ReplicaReport, ended_event
 from config.settings import Settings
@@ -34,6 +35,7 @@ class EngineReplica:
     async def __init__(self, settings: Settings, board: Any) -> None:  # type: ignore[misc]  # Serve awaits it
         self._settings = settings
         self._board = board  # the ClusterBoard actor's handle
+        bind_replica_grpc_to_node_address()
         from app.process.engine_factory import build_engine  # imports torch: in the replicas' processes only
 
         self.engine, runner = build_engine(settings)

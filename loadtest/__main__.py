@@ -1,5 +1,6 @@
 """`python -m loadtest SCENARIO --url URL ...`: run one load-test scenario against a fairlane server and
-write report.json, summary.md and PNG plots into --out. Exits 1 when the leak check fails (KV blocks
+write report.json, summary.md and PNG plots into --out. `python -m loadtest soak|overload --help`: the
+long runs (loadtest.commands). Exits 1 when the leak check fails (KV blocks
 still in use, or requests still running, once the server should be idle), 2 for a run it refuses."""
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from pathlib import Path
 import httpx
 
 from loadtest.client import is_loopback_url
+from loadtest.commands import LONG_RUNS, run_long
 from loadtest.plots import write_plots
 from loadtest.report import build_report, write_report
 from loadtest.scenarios import MAX_DURATION_S, MAX_REQUESTS, SCENARIOS, RunConfig, run_scenario
@@ -43,6 +45,9 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in LONG_RUNS:
+        return run_long(argv)
     args = parser().parse_args(argv)
     if not is_loopback_url(args.url) and not args.allow_remote:
         print(f"error: {args.url} is not a loopback address; pass --allow-remote to load another machine",

@@ -126,3 +126,34 @@ def _end_all(records: list[RequestRecord], outcome: str, now: float) -> None:
 async def _cancel_quietly(http: httpx.AsyncClient, tenant: LoadTenant, batch_id: str) -> None:
     with contextlib.suppress(httpx.HTTPError, TimeoutError):
         await asyncio.wait_for(http.post(f"/v1/batches/{batch_id}/cancel", headers=tenant.headers), timeout=5)
+
+
+async def run_cancelled_batch_job(http: httpx.AsyncClient, model: str, items: list[ChatRequest], record: RequestRecord,
+                                  clock: Callable[[], float], summaries: list[dict[str, Any]],
+                                  cancel_after_s: float) -> None:
+    """Create a batch of items, cancel it after cancel_after_s, and wait for it to end. The record is the
+    job's: OK once the batch reached a final status after the cancel (cancelled, or completed when it
+    was quicker), else the status that refused it."""
+    tenant = items[0].tenant
+    summary: dict[str, Any] = {"tenant": tenant.tenant_id, "batch_id": None, "status": "not_created",
+                               "items": len(items), "cancel_after_s": round(cancel_after_s, 3)}
+    summaries.append(summary)
+    try:
+        batch = await _create(http, tenant, _input_file(model, items, [f"c-{i}" for i in range(len(items))]))
+        if isinstance(batch, int):
+            record.outcome = str(batch)
+            return
+        summary["batch_id"] = batch["id"]
+        await asyncio.sleep(cancel_after_s)
+        # A batch that ended before the cancel arrived is refused its cancel: the poll below still ends.
+        cancel = await http.post(f"/v1/batches/{batch['id']}/cancel", headers=tenant.headers)
+        batch = await _poll(http, tenant, batch["id"])
+        summary |= {"status": batch["status"], "cancel_status": cancel.status_code,
+                    "request_counts": batch.get("request_counts")}
+        record.outcome = OK if cancel.status_code == 200 or batch["status"] != "cancelled" else str(cancel.status_code)
+    except httpx.TimeoutException:
+        record.outcome = TIMEOUT
+    except httpx.TransportError:
+        record.outcome = TRANSPORT_ERROR
+    finally:
+        record.e2e_s = clock() - record.sent_at

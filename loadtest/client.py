@@ -46,6 +46,7 @@ class RequestRecord:
     prompt_tokens: int = 0
     completion_tokens: int = 0  # from usage; the number of content chunks when no usage arrived
     cached_tokens: int = 0
+    retry_after: str | None = None  # the Retry-After header of a refusal (429, 503), when it had one
 
     @property
     def is_error(self) -> bool:
@@ -98,6 +99,7 @@ async def send_chat(http: httpx.AsyncClient, model: str, request: ChatRequest, r
             if response.status_code != 200:
                 await response.aread()
                 record.outcome = str(response.status_code)
+                record.retry_after = response.headers.get("retry-after")
             else:
                 record.outcome = await _read_stream(response, request, record, clock)
     except httpx.TimeoutException:

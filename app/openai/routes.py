@@ -20,6 +20,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from app.observability.process_stats import process_stats
 from app.openai.lora_routes import LoraRoutes, adapter_card
 from app.openai.objects import (
     DONE_EVENT,
@@ -131,7 +132,7 @@ class OpenAIRoutes:
 
     async def stats(self, request: Request) -> Response:
         self.context.gate.authorize_operator(request)
-        return json_response(self.context.engine.stats())
+        return json_response({**self.context.engine.stats(), "process": process_stats()})
 
     # ---- generation -----------------------------------------------------------------------
 

@@ -12,6 +12,7 @@ The open-connection cap is uvicorn's own `limit_concurrency` (see `uvicorn_limit
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import orjson
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -40,6 +41,20 @@ def header_timeout_protocol(timeout_s: float) -> type[HttpToolsProtocol]:
         timeout_response = _timeout_response(f"The request head did not arrive whole within {timeout_s:g} s.")
 
     return BoundHeaderTimeoutProtocol
+
+
+def connection_capped_protocol(header_timeout_s: float, max_connections: int) -> type[HttpToolsProtocol]:
+    """The header-timeout protocol that also enforces uvicorn's `limit_concurrency` by itself, for a
+    uvicorn whose Config this code does not build (Ray Serve's proxy): each connection carries the cap
+    uvicorn would have read from its Config, and uvicorn's own check answers 503 past it."""
+    limit = uvicorn_limit_concurrency(max_connections)
+
+    class ConnectionCappedProtocol(header_timeout_protocol(header_timeout_s)):  # type: ignore[misc,valid-type]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.limit_concurrency = limit
+
+    return ConnectionCappedProtocol
 
 
 class HeaderTimeoutProtocol(HttpToolsProtocol):

@@ -23,6 +23,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.app.conftest import wait_for
+from tests.cluster.sockets import listening_sockets, off_loopback, raw_exchange
 from tests.tenants_files import tenants_toml
 
 FAIRLANE = Path(sys.executable).with_name("fairlane")
@@ -35,6 +36,9 @@ START_TIMEOUT_S = 150
 LONG = 1500  # max_tokens of a stream that the test ends long before it would end by itself
 NUM_BATCH_ITEMS = 8
 BATCH_ITEM_TOKENS = 300  # long enough that items are still running when their replica is killed
+HEAD_TIMEOUT_S = 2.0
+BODY_TIMEOUT_S = 2.0
+MAX_CONNECTIONS = 32  # the connection cap; the other tests hold far fewer at once
 
 
 @dataclass(slots=True)
@@ -79,7 +83,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     folder = tmp_path_factory.mktemp("cluster")
     (folder / "tenants.toml").write_text(TENANTS_TOML)
     port = loopback_port()
-    env = {**os.environ, "FAIRLANE_BATCH_DB_PATH": str(folder / "fairlane.db"), "FAIRLANE_MAX_NUM_SEQS": "8"}
+    env = {**os.environ, "FAIRLANE_BATCH_DB_PATH": str(folder / "fairlane.db"), "FAIRLANE_MAX_NUM_SEQS": "8",
+           "FAIRLANE_HTTP_HEADER_TIMEOUT_S": str(HEAD_TIMEOUT_S), "FAIRLANE_HTTP_BODY_TIMEOUT_S": str(BODY_TIMEOUT_S),
+           "FAIRLANE_MAX_CONNECTIONS": str(MAX_CONNECTIONS)}
     log = (folder / "serve.log").open("wb")
     process = subprocess.Popen([str(FAIRLANE), "serve", "--replicas", "2", "--model", MODEL, "--port", str(port),
                                 "--tenants", str(folder / "tenants.toml"), "--kv-cache-bytes", str(32 * 1024 * 1024)],
@@ -204,6 +210,47 @@ def test_metrics_cover_every_replica_labelled_by_replica(cluster: Cluster) -> No
     assert "fairlane:request_success_total" not in series  # the ingress's own counters, once
 
 
+def test_every_process_of_the_cluster_listens_on_loopback_only(cluster: Cluster) -> None:
+    found = listening_sockets(cluster.process.pid)
+
+    assert len(found) >= 5  # Ray's GCS and raylet, its workers, Serve's proxy and the replicas all listen
+    assert any(port == int(cluster.base_url.rsplit(":", 1)[1]) for _, _, port in found)
+    assert off_loopback(found) == []
+
+
+def test_a_request_head_that_never_completes_is_cut_off_at_the_proxy(cluster: Cluster) -> None:
+    host, port = cluster.base_url.removeprefix("http://").split(":")
+    answer, waited_s = raw_exchange(host, int(port), b"POST /v1/completions HTTP/1.1\r\nhost: x\r\n",
+                                    wait_s=HEAD_TIMEOUT_S * 5)
+
+    assert answer.startswith(b"HTTP/1.1 408")
+    assert HEAD_TIMEOUT_S * 0.9 <= waited_s < HEAD_TIMEOUT_S * 5
+
+
+def test_a_body_that_stops_arriving_gets_408_from_the_ingress(cluster: Cluster) -> None:
+    host, port = cluster.base_url.removeprefix("http://").split(":")
+    head = (f"POST /v1/completions HTTP/1.1\r\nhost: x\r\nauthorization: Bearer {KEYS['alice']}\r\n"
+            "content-type: application/json\r\ncontent-length: 100\r\n\r\n{\"model\": ").encode()
+    answer, waited_s = raw_exchange(host, int(port), head, wait_s=BODY_TIMEOUT_S * 10)
+
+    assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
+    assert b"request_timeout" in answer
+    assert waited_s >= BODY_TIMEOUT_S * 0.9
+
+
+def test_connections_past_the_cap_get_503(cluster: Cluster) -> None:
+    host, port = cluster.base_url.removeprefix("http://").split(":")
+    held = [socket.create_connection((host, int(port)), timeout=5) for _ in range(MAX_CONNECTIONS)]
+    try:
+        refused = httpx.get(f"{cluster.base_url}/health", timeout=5)
+    finally:
+        for connection in held:
+            connection.close()
+
+    assert refused.status_code == 503
+    wait_for(cluster.is_healthy, timeout=HEAD_TIMEOUT_S * 5, what="the held connections to be let go")
+
+
 def test_a_killed_replica_fails_its_streams_and_the_other_serves_on(cluster: Cluster) -> None:
     stream = long_stream(cluster)
     next(iter(stream))
@@ -258,3 +305,24 @@ def test_a_batch_ends_each_item_exactly_once_across_a_replica_restart(cluster: C
         assert "replica serving this request failed" in line["response"]["body"]["error"]["message"]
     assert done.request_counts is not None
     assert (done.request_counts.completed, done.request_counts.failed) == (len(results), len(errors))
+
+
+def test_sigterm_drains_with_503_and_retry_after_for_new_requests(cluster: Cluster) -> None:
+    """Last: it stops the cluster. New requests get the single server's 503 while running ones finish."""
+    wait_for(lambda: has_two_live_replicas(cluster), timeout=START_TIMEOUT_S, interval=0.5,
+             what="Ray Serve to restart the replica killed before")
+    stream = long_stream(cluster)
+    next(iter(stream))
+    cluster.process.send_signal(signal.SIGTERM)
+
+    def refused() -> httpx.Response | None:
+        response = httpx.post(f"{cluster.base_url}/v1/completions", json={"model": MODEL, "prompt": "late"},
+                              headers={"authorization": f"Bearer {KEYS['alice']}"}, timeout=10)
+        return response if response.status_code == 503 else None
+
+    wait_for(lambda: refused() is not None, timeout=20, interval=0.2, what="new requests to be refused")
+    response = refused()
+    stream.close()
+
+    assert response is not None and response.headers["retry-after"]
+    assert response.json()["error"]["code"] == "server_shutting_down"

@@ -1,0 +1,93 @@
+"""`python -m loadtest soak` and `python -m loadtest overload`: the long runs, each with its own flags.
+Exit status: 0 when the run held, 1 when a check failed, 2 for a run refused before it began."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from pathlib import Path
+
+import httpx
+
+from loadtest.client import is_loopback_url
+from loadtest.overload import OverloadConfig, run_overload
+from loadtest.overload_report import build_overload_report, write_overload_report
+from loadtest.soak import SoakConfig, run_soak
+from loadtest.soak_report import build_soak_report, write_soak_report
+from loadtest.workload import ANONYMOUS, LoadTenant, LoadTenantsError, load_admin_key, load_tenants
+
+DEFAULT_URL = "http://127.0.0.1:8000"
+MIB = 1024 * 1024
+LONG_RUNS = ("soak", "overload")
+
+
+def _common(p: argparse.ArgumentParser, name: str) -> None:
+    p.add_argument("--url", default=DEFAULT_URL, help=f"the server (default {DEFAULT_URL})")
+    p.add_argument("--tenants", help="the load tool's tenants file; its [admin] key reads /stats")
+    p.add_argument("--out", default=f"data/loadtest/{name}", help="where the report and plots go")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--allow-remote", action="store_true", help="allow a URL that is not on this machine")
+
+
+def soak_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m loadtest soak", description=__doc__)
+    _common(p, "soak")
+    p.add_argument("--minutes", type=float, required=True, help="the whole run, warm-up included")
+    p.add_argument("--clients", type=int, default=8, help="closed-loop users")
+    p.add_argument("--think", type=float, default=0.5, help="mean seconds between a user's requests")
+    p.add_argument("--warmup", type=float, default=60.0, help="seconds of traffic before the baseline")
+    p.add_argument("--sample", type=float, default=5.0, help="seconds between samples of the server")
+    p.add_argument("--window", type=float, default=60.0, help="seconds per latency window")
+    p.add_argument("--pid", type=int, help="the server's pid for /proc (default: the one /stats reports)")
+    p.add_argument("--rss-margin-mib", type=float, default=64.0, help="idle RSS growth allowed after the load")
+    return p
+
+
+def overload_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m loadtest overload", description=__doc__)
+    _common(p, "overload")
+    p.add_argument("--capacity-clients", type=int, default=8, help="clients the server serves at once")
+    p.add_argument("--factor", type=int, default=10, help="the surge brings this many times more clients")
+    p.add_argument("--capacity-seconds", type=float, default=30.0)
+    p.add_argument("--surge-seconds", type=float, default=120.0)
+    p.add_argument("--batch-share", type=float, default=0.5, help="share of the surge's clients sending batch work")
+    p.add_argument("--recovery-timeout", type=float, default=120.0)
+    return p
+
+
+def _tenants(path: str | None) -> tuple[tuple[LoadTenant, ...], str | None]:
+    return (load_tenants(path), load_admin_key(path)) if path else ((ANONYMOUS,), None)
+
+
+def run_long(argv: list[str]) -> int:
+    """argv starts with the run's name (one of LONG_RUNS)."""
+    name, rest = argv[0], argv[1:]
+    args = (soak_parser() if name == "soak" else overload_parser()).parse_args(rest)
+    if not is_loopback_url(args.url) and not args.allow_remote:
+        print(f"error: {args.url} is not a loopback address; pass --allow-remote to load another machine",
+              file=sys.stderr)
+        return 2
+    try:
+        tenants, admin_key = _tenants(args.tenants)
+        if name == "soak":
+            config = SoakConfig(args.url.rstrip("/"), args.minutes, args.clients, args.think, args.warmup,
+                                args.sample, args.window, args.seed, tenants, admin_key, args.pid,
+                                rss_margin_bytes=int(args.rss_margin_mib * MIB))
+            report = build_soak_report(asyncio.run(run_soak(config)))
+            summary = write_soak_report(report, Path(args.out))
+        else:
+            overload = OverloadConfig(args.url.rstrip("/"), args.capacity_clients, args.factor, args.capacity_seconds,
+                                      args.surge_seconds, args.batch_share, recovery_timeout_s=args.recovery_timeout,
+                                      seed=args.seed, tenants=tenants)
+            report = build_overload_report(asyncio.run(run_overload(overload)))
+            summary = write_overload_report(report, Path(args.out))
+    except (LoadTenantsError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except httpx.HTTPError as exc:
+        print(f"error: cannot use the server at {args.url}: {exc!r}", file=sys.stderr)
+        return 2
+    print(summary, end="")
+    print(f"wrote {args.out}/report.json, summary.md and plots")
+    return 0 if report["passed"] else 1

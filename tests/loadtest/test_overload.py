@@ -1,0 +1,72 @@
+"""`python -m loadtest overload`: the client's retry delay and the report's verdicts on made-up attempts."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from loadtest.client import RequestRecord
+from loadtest.overload import CAPACITY, RECOVERY, SURGE, Attempt, OverloadConfig, OverloadResult, retry_delay
+from loadtest.overload_report import build_overload_report, overload_markdown
+from loadtest.workload import BATCH, INTERACTIVE
+
+
+def test_retry_after_is_honoured_and_jittered_never_below_the_backoff() -> None:
+    rng = random.Random(0)
+
+    assert 3.0 <= retry_delay("3", 0.5, rng) <= 4.5
+    assert 8.0 <= retry_delay("1", 8.0, rng) <= 12.0
+    assert 0.5 <= retry_delay(None, 0.5, rng) <= 0.75
+    assert 2.0 <= retry_delay("Wed, 21 Oct 2026 07:28:00 GMT", 2.0, rng) <= 3.0
+
+
+def served(phase: str, klass: str, at: float, tokens: int = 50) -> Attempt:
+    return Attempt(phase, RequestRecord("alice", klass, at, "ok", 0.2, 2.0, [at + 2], completion_tokens=tokens))
+
+
+def refused(phase: str, klass: str, at: float, status: str = "429", retry_after: str | None = "1") -> Attempt:
+    return Attempt(phase, RequestRecord("alice", klass, at, status, e2e_s=0.01, retry_after=retry_after))
+
+
+def result(attempts: list[Attempt], recovery_s: float | None = 3.0) -> OverloadResult:
+    spans = {CAPACITY: (0.0, 10.0), SURGE: (10.0, 20.0), RECOVERY: (20.0, 25.0)}
+    return OverloadResult(OverloadConfig("http://127.0.0.1:1"), "m", attempts, spans, recovery_s)
+
+
+def healthy_run() -> list[Attempt]:
+    return ([served(CAPACITY, INTERACTIVE, t) for t in range(8)]
+            + [served(SURGE, INTERACTIVE, 10 + t) for t in range(8)]
+            + [refused(SURGE, BATCH, 10 + t) for t in range(6)] + [served(SURGE, BATCH, 12)]
+            + [served(RECOVERY, INTERACTIVE, 21)])
+
+
+def test_a_server_that_sheds_batch_and_keeps_interactive_goodput_holds() -> None:
+    report = build_overload_report(result(healthy_run()))
+
+    assert report["passed"], report["failures"]
+    surge = report["phases"][SURGE]
+    assert surge["by_class"][BATCH]["refused_share"] == pytest.approx(6 / 7)
+    assert surge["by_class"][INTERACTIVE]["goodput_tokens_per_s"] == pytest.approx(40.0)
+    assert report["surge_goodput_vs_capacity"] == pytest.approx(45 / 40)
+    assert "held" in overload_markdown(report)
+
+
+@pytest.mark.parametrize(("extra", "recovery_s", "failure"), [
+    ([refused(SURGE, INTERACTIVE, 15, "500")], 3.0, "5xx"),
+    ([refused(SURGE, BATCH, 15, "503", retry_after=None)], 3.0, "without Retry-After"),
+    ([refused(SURGE, INTERACTIVE, 10 + t) for t in range(60)], 3.0, "refused more often"),
+    ([], None, "did not recover"),
+])
+def test_each_way_of_failing_is_named(extra: list[Attempt], recovery_s: float | None, failure: str) -> None:
+    report = build_overload_report(result(healthy_run() + extra, recovery_s))
+
+    assert not report["passed"]
+    assert any(failure in f for f in report["failures"]), report["failures"]
+
+
+def test_collapsed_interactive_goodput_fails() -> None:
+    attempts = [a for a in healthy_run() if not (a.phase == SURGE and a.record.klass == INTERACTIVE)]
+    report = build_overload_report(result([*attempts, served(SURGE, INTERACTIVE, 11, tokens=10)]))
+
+    assert any("collapsed" in f for f in report["failures"])

@@ -1,0 +1,177 @@
+"""`python -m loadtest soak`: the report's arithmetic on made-up samples, and (slow) a soak of a real
+`fairlane serve --model builtin:small` process that fails on a leak: RSS past a margin after the
+warm-up, a KV block held once idle, file descriptors or asyncio tasks that grow.
+
+The slow soak runs 5 minutes; LOADTEST_SOAK_MINUTES shortens it while developing."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from loadtest.client import RequestRecord, SettleResult
+from loadtest.commands import run_long
+from loadtest.probe import Sample, open_files, proc_status, sqlite_files
+from loadtest.soak import BASELINE, IDLE, LOAD, SoakConfig, SoakResult
+from loadtest.soak_report import build_soak_report, drift, latency_windows, soak_markdown
+from loadtest.soak_traffic import CHAT, MIX, Traffic
+from loadtest.tenants import main as tenants_main
+from tests.app.conftest import wait_for
+from tests.conftest import REPO_ROOT
+
+FAIRLANE = Path(sys.executable).with_name("fairlane")
+STARTED_LINE = re.compile(r"Uvicorn running on (http://127\.0\.0\.1:\d+)")
+MiB = 1024 * 1024
+ADMIN_KEY = "fl-soak-operator"
+CLIENT_TENANTS = f"""
+[admin]
+api_key = "{ADMIN_KEY}"
+
+[[tenants]]
+id = "alice"
+api_key = "fl-alice-soak"
+weight = 2
+
+[[tenants]]
+id = "bob"
+api_key = "fl-bob-soak"
+"""
+SOAK_MINUTES = float(os.environ.get("LOADTEST_SOAK_MINUTES", "5"))
+RSS_MARGIN_MIB = 64
+
+
+def sample(phase: str, at_s: float, rss_mib: float, fds: int = 20, tasks: int = 10, kv: int = 0) -> Sample:
+    return Sample(at_s, phase, int(rss_mib * MiB), fds, 12, tasks, 0, 0, kv, 0, 0, 4096, 0, 1000)
+
+
+def result_of(samples: list[Sample], records: list[RequestRecord] | None = None) -> SoakResult:
+    config = SoakConfig("http://127.0.0.1:1", minutes=2, warmup_s=10, window_s=10)
+    traffic = Traffic(httpx.AsyncClient(), "m", 0.0, records or [])
+    idle = SettleResult(True, 0.1, [], {})
+    return SoakResult(config, "m", traffic, samples, 10.0, 40.0, {}, {}, [idle, idle])
+
+
+def phases(baseline_mib: float, after_mib: float, **after: int) -> list[Sample]:
+    return ([sample(BASELINE, t, baseline_mib) for t in (1, 2, 3)] + [sample(LOAD, 20, baseline_mib + 200)]
+            + [sample(IDLE, t, after_mib, **after) for t in (50, 51, 52)])
+
+
+def test_a_server_back_at_its_baseline_passes() -> None:
+    report = build_soak_report(result_of(phases(500, 500 + RSS_MARGIN_MIB - 1)))
+
+    assert report["passed"], report["failures"]
+    assert report["resources"]["rss_bytes"]["peak_under_load"] == 700 * MiB
+    assert all(entry["returned"] for entry in report["resources"].values() if "returned" in entry)
+
+
+@pytest.mark.parametrize(("after", "culprit"), [
+    ({"rss_mib": 500 + RSS_MARGIN_MIB + 1}, "rss_bytes"), ({"fds": 30}, "num_fds"), ({"tasks": 20}, "asyncio_tasks"),
+    ({"kv": 3}, "kv_blocks_in_use")])
+def test_each_leak_fails_the_soak(after: dict[str, Any], culprit: str) -> None:
+    rss_mib = after.pop("rss_mib", 500)
+    report = build_soak_report(result_of(phases(500, rss_mib, **after)))
+
+    assert not report["passed"]
+    assert [f for f in report["failures"] if f.startswith(culprit)], report["failures"]
+    assert "NO" in soak_markdown(report)
+
+
+def chat(sent_at: float, ttft_s: float) -> RequestRecord:
+    return RequestRecord("alice", CHAT, sent_at, "ok", ttft_s, ttft_s + 1, [sent_at + ttft_s])
+
+
+def test_latency_windows_and_drift() -> None:
+    records = [chat(12, 0.1), chat(15, 0.2), chat(25, 0.1), chat(35, 0.5), chat(36, 0.6)]
+    windows = latency_windows(records, 10, 40, 10)
+    found = drift(windows)
+
+    assert [w["sent"] for w in windows] == [2, 1, 2]
+    assert windows[0]["ttft_p50_s"] == pytest.approx(0.15)
+    assert found["drifts"] and found["ratio_p90"] == pytest.approx(0.59 / 0.19)
+
+
+def test_the_probe_reads_this_process() -> None:
+    status = proc_status(os.getpid())
+
+    assert status["rss_bytes"] > MiB and status["num_threads"] >= 1
+    assert len(open_files(os.getpid())) >= 3
+    assert sqlite_files(["/x/fairlane.db", "socket:[1]"]) == (None, None)  # not there: no sizes
+
+
+@pytest.fixture
+def soak_server(tmp_path: Path) -> Iterator[tuple[str, Path]]:
+    """`fairlane serve --model builtin:small` as its own process (so /proc/PID is the server alone),
+    with a KV budget small enough that the traffic preempts batch-class streams by swap."""
+    client_file, server_file = tmp_path / "client.toml", tmp_path / "server.toml"
+    client_file.write_text(CLIENT_TENANTS)
+    assert tenants_main([str(client_file), str(server_file)]) == 0
+    # PYTHONPATH: the server runs this checkout's code even where the installed package points elsewhere.
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "FAIRLANE_BATCH_DB_PATH": str(tmp_path / "fairlane.db"),
+           "FAIRLANE_BATCH_POLL_S": "0.2",
+           "FAIRLANE_SWAP_SPACE_BYTES": str(64 * MiB)}
+    process = subprocess.Popen([str(FAIRLANE), "serve", "--model", "builtin:small", "--port", "0",
+                                "--tenants", str(server_file), "--kv-cache-bytes", str(32 * MiB)],
+                               env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    log: list[str] = []
+    found: list[str] = []
+
+    def read_log() -> None:
+        assert process.stderr is not None
+        with process.stderr:
+            for line in process.stderr:
+                log.append(line)
+                if not found and (started := STARTED_LINE.search(line)):
+                    found.append(started[1])
+
+    reader = threading.Thread(target=read_log, daemon=True)
+    reader.start()
+    try:
+        wait_for(lambda: bool(found) or process.poll() is not None, timeout=120, interval=0.2,
+                 what="the server to start")
+        assert process.poll() is None, "".join(log[-50:])
+        yield found[0], client_file
+    finally:
+        process.terminate()
+        try:
+            process.wait(60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        reader.join(timeout=10)
+
+
+@pytest.mark.slow
+def test_a_soak_of_a_real_server_leaks_nothing(soak_server: tuple[str, Path], tmp_path: Path) -> None:
+    url, client_file = soak_server
+    out = tmp_path / "soak"
+    warmup_s = min(60.0, SOAK_MINUTES * 60 / 5)
+    code = run_long(["soak", "--url", url, "--tenants", str(client_file), "--out", str(out),
+                     "--minutes", str(SOAK_MINUTES), "--warmup", str(warmup_s), "--sample", "2",
+                     "--window", str(max(10.0, SOAK_MINUTES * 60 / 5)), "--clients", "4", "--think", "1",
+                     "--rss-margin-mib", str(RSS_MARGIN_MIB)])
+    report = json.loads((out / "report.json").read_text())
+
+    assert code == 0, report["failures"]
+    resources = report["resources"]
+    for name in ("rss_bytes", "num_fds", "asyncio_tasks", "kv_blocks_in_use", "cpu_blocks_in_use"):
+        assert resources[name]["checked"] and resources[name]["returned"], (name, resources[name])
+    assert resources["db_bytes"]["baseline"] is not None  # the probe found the server's SQLite file
+    assert set(report["by_kind"]) == set(MIX)  # every kind of traffic was sent
+    assert (out / "resources_over_time.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_config_refuses_a_warmup_longer_than_the_run() -> None:
+    config = SoakConfig("http://127.0.0.1:1", minutes=1)
+    with pytest.raises(ValueError, match="warm-up"):
+        replace(config, warmup_s=60).check()

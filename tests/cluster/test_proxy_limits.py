@@ -3,6 +3,8 @@ proxy is) loads fairlane's protocol with the head timeout and the connection cap
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import uvicorn
 import uvicorn.config
@@ -26,5 +28,10 @@ def test_an_auto_uvicorn_loads_the_capped_header_timeout_protocol(monkeypatch: p
 
     assert isinstance(protocol, type) and issubclass(protocol, HeaderTimeoutProtocol)
     assert protocol.header_timeout_s == 3.5
-    instance = protocol(config=config, server_state=uvicorn.server.ServerState(), app_state={})  # type: ignore[call-arg]
+    loop = asyncio.new_event_loop()  # uvicorn asks for the current one, which an earlier test may have closed
+    try:
+        instance = protocol(config=config, server_state=uvicorn.server.ServerState(), app_state={},  # type: ignore[call-arg]
+                            _loop=loop)
+    finally:
+        loop.close()
     assert instance.limit_concurrency == uvicorn_limit_concurrency(7)

@@ -152,6 +152,7 @@ def soak_server(tmp_path: Path) -> Iterator[tuple[str, Path]]:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # a 5-minute run, the server's start and its settles
 def test_a_soak_of_a_real_server_leaks_nothing(soak_server: tuple[str, Path], tmp_path: Path) -> None:
     url, client_file = soak_server
     out = tmp_path / "soak"

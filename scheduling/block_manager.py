@@ -61,7 +61,7 @@ class BlockPool:
 
     def _take_free(self) -> int:
         """The least recently freed block, passing over pinned ones while others are free."""
-        if self.is_pinned is not None:
+        if self.is_pinned is not None and self._hash_of_block:
             hash_of, is_pinned, free = self._hash_of_block, self.is_pinned, self._free
             for _ in range(len(free)):
                 block = next(iter(free))

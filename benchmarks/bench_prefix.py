@@ -18,7 +18,7 @@ from typing import Any
 
 from app.process.engine_factory import build_engine
 from app.process.flags import add_model_flags, settings_from_args
-from benchmarks.bench_prefix_tiers import run_tiers
+from benchmarks.bench_prefix_tiers import CONFIGURATIONS, run_tiers
 from config.settings import Settings
 from loadtest.bench_output import format_table, write_report
 from loadtest.stats import percentile_or_nan as percentile
@@ -134,6 +134,14 @@ def run_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def tier_configs(text: str) -> tuple[str, ...]:
+    configs = tuple(part.strip() for part in text.split(",") if part.strip())
+    unknown = [c for c in configs if c not in CONFIGURATIONS]
+    if unknown or not configs:
+        raise argparse.ArgumentTypeError(f"configurations are some of {', '.join(CONFIGURATIONS)}; got {text!r}")
+    return configs
+
+
 def add_command(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = subparsers.add_parser("prefix", help="shared system prompt: TTFT with prefix caching off and on; "
                                                   "--tiers: many tenants' prompts over the device, host and disk tiers")
@@ -146,6 +154,9 @@ def add_command(subparsers: argparse._SubParsersAction[argparse.ArgumentParser])
     parser.add_argument("--tenants", type=int, default=64, help="--tiers: tenants, a system prompt each")
     parser.add_argument("--rounds", type=int, default=2, help="--tiers: measured rounds of one request per tenant")
     parser.add_argument("--disk-dir", help="--tiers: where the disk tier's temporary folder goes (default: /tmp)")
+    parser.add_argument("--configs", type=tier_configs, default=CONFIGURATIONS,
+                        help="--tiers: which configurations, comma-separated, in order (default: "
+                             f"{','.join(CONFIGURATIONS)})")
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)

@@ -11,7 +11,8 @@ hit rate (prompt tokens served from any tier / prompt tokens), TTFT p50/p99 and 
 Sizes: the device pool holds a quarter of the prefixes; the host tier all of them (device + host), or a
 quarter again with the disk holding all (device + host + disk). After the last configuration its engine
 is shut down and a new one started on the same disk folder: one request per tenant then measures
-`restart_ttft_p50_s`, against the cold first round of the device-only run.
+`restart_ttft_p50_s`, against the cold first round of the first configuration run. `--configs` runs
+some of the three (the restart needs the disk one; the ratios, device only and another).
 """
 
 from __future__ import annotations
@@ -146,19 +147,37 @@ def run_restart(settings: Settings, workload: TenantWorkload, args: argparse.Nam
     return asyncio.run(go())
 
 
-def print_table(results: dict[str, dict[str, Any]], restart: dict[str, Any], ratios: dict[str, float]) -> None:
+CONFIGURATIONS = ("device", "device+host", "device+host+disk")
+
+
+def print_table(results: dict[str, dict[str, Any]], restart: dict[str, Any] | None, ratios: dict[str, float]) -> None:
     rows = [["configuration", "hit rate", "TTFT p50 ms", "TTFT p99 ms", "out tok/s"]]
     for mode, result in results.items():
         warm = result["warm"]
         rows.append([mode, f"{warm['hit_rate']:.3f}", f"{warm['ttft_p50_s'] * 1e3:.1f}",
                      f"{warm['ttft_p99_s'] * 1e3:.1f}", f"{warm['output_tokens_per_s']:.1f}"])
-    cold = results["device"]["cold_round"]
+    cold = next(iter(results.values()))["cold_round"]
     rows.append(["cold first requests", f"{cold['hit_rate']:.3f}", f"{cold['ttft_p50_s'] * 1e3:.1f}",
                  f"{cold['ttft_p99_s'] * 1e3:.1f}", f"{cold['output_tokens_per_s']:.1f}"])
-    rows.append(["after a restart (disk)", f"{restart['hit_rate']:.3f}", f"{restart['ttft_p50_s'] * 1e3:.1f}",
-                 f"{restart['ttft_p99_s'] * 1e3:.1f}", f"{restart['output_tokens_per_s']:.1f}"])
+    if restart is not None:
+        rows.append(["after a restart (disk)", f"{restart['hit_rate']:.3f}", f"{restart['ttft_p50_s'] * 1e3:.1f}",
+                     f"{restart['ttft_p99_s'] * 1e3:.1f}", f"{restart['output_tokens_per_s']:.1f}"])
     print(format_table(rows))
     print(", ".join(f"{name} {value:.2f}x" for name, value in ratios.items()))
+
+
+def tier_ratios(results: dict[str, dict[str, Any]], restart: dict[str, Any] | None) -> dict[str, float]:
+    """TTFT p50 of each tier configuration against device only, and of the restart against cold; those that ran."""
+    ratios = {}
+    if "device" in results:
+        device_p50 = results["device"]["warm"]["ttft_p50_s"]
+        for mode, name in (("device+host", "host"), ("device+host+disk", "disk")):
+            if mode in results:
+                ratios[f"{name} TTFT p50 vs device only"] = device_p50 / results[mode]["warm"]["ttft_p50_s"]
+    if restart is not None:
+        cold = next(iter(results.values()))["cold_round"]
+        ratios["restart first TTFT p50 vs cold"] = cold["ttft_p50_s"] / restart["ttft_p50_s"]
+    return ratios
 
 
 def run_tiers(args: argparse.Namespace, settings: Settings) -> int:
@@ -169,15 +188,14 @@ def run_tiers(args: argparse.Namespace, settings: Settings) -> int:
     prefix_bytes = blocks_per_prefix * shape.bytes_per_block
     load_before = os.getloadavg()
     results: dict[str, dict[str, Any]] = {}
+    restart = None
     with tempfile.TemporaryDirectory(prefix="fairlane-bench-tiers-", dir=args.disk_dir) as folder:
-        for mode in ("device", "device+host", "device+host+disk"):
+        for mode in args.configs:
             results[mode] = run_mode(tier_settings(settings, mode, prefix_bytes, args.tenants, folder), workload, args)
-        restart = run_restart(tier_settings(settings, "device+host+disk", prefix_bytes, args.tenants, folder),
-                              workload, args)
-    device, host, disk = (results[m]["warm"] for m in results)
-    ratios = {"host TTFT p50 vs device only": device["ttft_p50_s"] / host["ttft_p50_s"],
-              "disk TTFT p50 vs device only": device["ttft_p50_s"] / disk["ttft_p50_s"],
-              "restart first TTFT p50 vs cold": results["device"]["cold_round"]["ttft_p50_s"] / restart["ttft_p50_s"]}
+        if "device+host+disk" in results:
+            restart = run_restart(tier_settings(settings, "device+host+disk", prefix_bytes, args.tenants, folder),
+                                  workload, args)
+    ratios = tier_ratios(results, restart)
     print_table(results, restart, ratios)
     document = {"model": settings.model, "tenants": args.tenants, "system_tokens": system_tokens,
                 "rounds": args.rounds, "concurrency": args.concurrency, "block_size": settings.block_size,

@@ -3,7 +3,10 @@
 The scheduler keeps the index of which hashes are on disk and decides evictions; this store only
 writes, reads and deletes files. Writes go through one background thread, so the step never waits
 on the disk; reads are synchronous and verified, so a torn, corrupt or foreign file is removed and
-reported as a miss, never served.
+reported as a miss, never served. A write may borrow the caller's memory instead of copying it (the
+runner lends the host block it writes from): the writer copies it when its turn comes, and the caller
+takes it back (`reclaim`) before writing over it, so a burst of evictions costs no copy on the step and
+is never dropped for want of queue room.
 
 Layout: root/<config digest>/ (0700) holds `key` (0600, 32 random bytes, made once) and one file
 per block (0600) named by a keyed hash of the block hash, so that a listing of the folder tells
@@ -27,7 +30,7 @@ import struct
 import threading
 import zlib
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -61,6 +64,7 @@ class DiskStoreStats:
     writes: int = 0  # block files written
     write_bytes: int = 0  # bytes of those files, headers included
     writes_dropped: int = 0  # writes never attempted: queue full, writes stopped, or store closed
+    writes_lent: int = 0  # writes queued on the caller's memory rather than on a copy
     write_errors: int = 0  # writes that failed with an OSError (the first one stops writes)
     reads: int = 0  # blocks read and verified, from disk or from the write queue
     read_failures: int = 0  # reads that found no valid block; a bad file is removed
@@ -68,12 +72,16 @@ class DiskStoreStats:
     deletes: int = 0  # deletes carried out
 
 
-@dataclass(slots=True, frozen=True, eq=False)
+@dataclass(slots=True, eq=False)
 class _Op:
-    """A queued write (`block` set: a private copy of the caller's block) or delete (`block` None)."""
+    """A queued write (`block` set) or delete (`block` None and not `dropped`). A write's block is a
+    private copy, or while `lent_slot` is set the caller's own memory, lent until the writer copies it
+    or the caller reclaims it. A dropped write keeps its place in the queue and does nothing."""
 
     block_hash: bytes
     block: torch.Tensor | None
+    lent_slot: int | None = None
+    dropped: bool = False
 
 
 def config_digest(config: Mapping[str, str | int], block_shape: tuple[int, ...], dtype: torch.dtype) -> bytes:
@@ -170,6 +178,7 @@ class DiskBlockStore:
         # Empty exactly when nothing is queued or in progress.
         self._latest: dict[bytes, _Op] = {}
         self._pending_bytes = 0
+        self._lent: dict[int, _Op] = {}  # queued writes still reading the caller's memory, by its slot
         self._lost: list[bytes] = []
         self._writes_enabled = True
         self._closing = False
@@ -194,7 +203,7 @@ class DiskBlockStore:
 
     @property
     def pending_bytes(self) -> int:
-        """Payload bytes of the writes queued or in progress."""
+        """Payload bytes of the private copies queued or being written (lent memory is the caller's)."""
         with self._lock:
             return self._pending_bytes
 
@@ -207,21 +216,45 @@ class DiskBlockStore:
         """Where a block's file is (or would be): named by a keyed hash, so the name reveals nothing."""
         return self.folder / hashlib.blake2b(block_hash, key=self._key, digest_size=32).hexdigest()
 
-    def write(self, block_hash: bytes, block: torch.Tensor) -> None:
-        """Queue a write of a copy of `block`; the caller may reuse its memory at once. Never waits on
-        the disk: a write that does not fit the queue, or comes after writes stopped, is dropped and
-        its hash reported by `take_lost`."""
+    def write(self, block_hash: bytes, block: torch.Tensor, lent_slot: int | None = None) -> None:
+        """Queue a write of `block`. Never waits on the disk: a write that comes after writes stopped,
+        or needs a copy that does not fit the queue, is dropped and its hash reported by `take_lost`.
+
+        Without `lent_slot` the block is copied and the caller may reuse its memory at once. With it,
+        the memory is lent under that number (a host block id, say): the writer copies it when it gets
+        there, and the caller must `reclaim` the slot before writing over it."""
         _check_hash(block_hash)
         self._check_block(block)
         with self._lock:
-            if not self._can_queue_write():
-                self.stats.writes_dropped += 1
-                self._lost.append(block_hash)
+            if lent_slot is not None and self._writes_open():
+                assert lent_slot not in self._lent, f"slot {lent_slot} is lent already: reclaim it first"
+                op = _Op(block_hash, block, lent_slot)
+                self._lent[lent_slot] = op
+                self.stats.writes_lent += 1
+                self._enqueue(op)
                 return
-            copy = torch.empty(self.block_shape, dtype=self.dtype)
-            copy.copy_(block)
+            if not self._can_queue_write():
+                self._drop(block_hash)
+                return
             self._pending_bytes += self._block_nbytes
-            self._enqueue(_Op(block_hash, copy))
+            self._enqueue(_Op(block_hash, self._private_copy(block)))
+
+    def reclaim(self, slots: Iterable[int]) -> None:
+        """Take lent memory back before writing over it: a write still queued on one of these slots
+        gets a private copy, or is dropped (and reported lost) when the queue has no room for one."""
+        with self._lock:
+            for slot in slots:
+                op = self._lent.pop(slot, None)
+                if op is None:
+                    continue
+                op.lent_slot = None
+                if self._can_queue_write():
+                    assert op.block is not None
+                    op.block = self._private_copy(op.block)
+                    self._pending_bytes += self._block_nbytes
+                else:
+                    op.block, op.dropped = None, True
+                    self._drop(op.block_hash)
 
     def delete(self, block_hash: bytes) -> None:
         """Remove a block's file, after every write queued before (a delete after a write wins)."""
@@ -365,10 +398,12 @@ class DiskBlockStore:
             raise _BadBlockFile("payload checksum mismatch")
 
     def _read_queued(self, queued: _Op, out: torch.Tensor) -> bool:
-        if queued.block is None:  # a delete is queued: the block is gone
+        # Lent memory is still the caller's (only the caller reclaims it), and a copy is never changed.
+        block = queued.block
+        if block is None:  # a delete is queued, or the write was dropped: the block is gone
             self._count_read(ok=False)
             return False
-        out.copy_(queued.block)
+        out.copy_(block)
         self._count_read(ok=True)
         return True
 
@@ -381,9 +416,20 @@ class DiskBlockStore:
 
     # The writer thread.
 
+    def _writes_open(self) -> bool:
+        return self._writes_enabled and not self._closing
+
     def _can_queue_write(self) -> bool:
-        return (self._writes_enabled and not self._closing
-                and self._pending_bytes + self._block_nbytes <= self._max_pending_bytes)
+        return self._writes_open() and self._pending_bytes + self._block_nbytes <= self._max_pending_bytes
+
+    def _private_copy(self, block: torch.Tensor) -> torch.Tensor:
+        copy = torch.empty(self.block_shape, dtype=self.dtype)
+        copy.copy_(block)
+        return copy
+
+    def _drop(self, block_hash: bytes) -> None:
+        self.stats.writes_dropped += 1
+        self._lost.append(block_hash)
 
     def _enqueue(self, op: _Op) -> None:
         self._queue.append(op)
@@ -392,16 +438,25 @@ class DiskBlockStore:
 
     def _run_writer(self) -> None:
         while (op := self._next_op()) is not None:
-            if op.block is None:
-                self._delete_file(op.block_hash)
-            else:
+            if op.block is not None:
                 self._write_block(op.block_hash, op.block)
+            elif not op.dropped:
+                self._delete_file(op.block_hash)
             self._finish(op)
 
     def _next_op(self) -> _Op | None:
+        """The next operation, its lent memory (if any) copied while the caller cannot write over it."""
         with self._changed:
             self._changed.wait_for(lambda: bool(self._queue) or self._closing)
-            return self._queue.popleft() if self._queue else None
+            if not self._queue:
+                return None
+            op = self._queue.popleft()
+            if op.lent_slot is not None:
+                del self._lent[op.lent_slot]
+                assert op.block is not None
+                op.block, op.lent_slot = self._private_copy(op.block), None
+                self._pending_bytes += self._block_nbytes
+            return op
 
     def _finish(self, op: _Op) -> None:
         with self._changed:
@@ -421,8 +476,7 @@ class DiskBlockStore:
     def _write_block(self, block_hash: bytes, block: torch.Tensor) -> None:
         if not self._writes_enabled or self._abandoned:
             with self._lock:
-                self.stats.writes_dropped += 1
-                self._lost.append(block_hash)
+                self._drop(block_hash)
             return
         payload = block.view(-1).view(torch.uint8).numpy().data
         header = _HEADER.pack(_MAGIC, FORMAT_VERSION, self._config_digest, block_hash, self._block_nbytes,

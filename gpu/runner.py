@@ -191,13 +191,16 @@ class ModelRunner:
         """The prefix cache's copies, in the order `TierCopies` says; the hashes of disk reads that failed.
         Device blocks are written down before anything of the step may overwrite them, and copied up
         before the forward reads them."""
+        if self.disk is not None:  # host blocks lent to queued disk writes are taken back before reuse
+            self.disk.reclaim(host_block for _, host_block in copies.offloads)
+            self.disk.reclaim(host_block for _, host_block in copies.disk_reads)
         self.cache.offload(copies.offloads)
         failed: list[bytes] = []
         if self.disk is not None:
             for block_hash in copies.disk_deletes:
                 self.disk.delete(block_hash)
-            for host_block, block_hash in copies.disk_writes:  # queued: the writer thread writes the files
-                self.disk.write(block_hash, self.cache.host_block(host_block))
+            for host_block, block_hash in copies.disk_writes:  # queued: the writer thread copies and writes
+                self.disk.write(block_hash, self.cache.host_block(host_block), lent_slot=host_block)
             failed = [block_hash for block_hash, host_block in copies.disk_reads
                       if not self.disk.read_into(block_hash, self.cache.host_block(host_block))]
         self.cache.onload(copies.onloads)

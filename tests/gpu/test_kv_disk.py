@@ -273,6 +273,58 @@ def test_writes_beyond_the_queue_are_dropped_and_reported_lost(tmp_path: Path, w
     store.close()
 
 
+def test_lent_writes_are_never_dropped_for_queue_room(tmp_path: Path, writer_gate: threading.Event) -> None:
+    store = make_store(tmp_path, max_pending_bytes=0)  # no room at all for a copy
+    pool = random_pool(torch.float32)
+    expected = pool.clone()
+    for number in range(POOL_BLOCKS):
+        store.write(block_hash(number), pool[:, :, number], lent_slot=number)
+    assert store.take_lost() == [] and store.pending_bytes == 0
+    writer_gate.set()
+    assert store.flush(WAIT_S)
+    target = torch.zeros_like(pool)
+    for number in range(POOL_BLOCKS):
+        assert store.read_into(block_hash(number), target[:, :, number])
+    assert torch.equal(bits(target), bits(expected))
+    assert (store.stats.writes, store.stats.writes_lent, store.stats.writes_dropped) == (POOL_BLOCKS, POOL_BLOCKS, 0)
+    store.close()
+
+
+def test_a_reclaimed_slot_keeps_its_queued_write_as_it_was(tmp_path: Path, writer_gate: threading.Event) -> None:
+    store = make_store(tmp_path)
+    pool = random_pool(torch.float32)
+    expected = pool[:, :, 1].clone()
+    store.write(block_hash(1), pool[:, :, 1], lent_slot=1)
+    store.reclaim([1, 3])  # 3 was never lent: nothing to do
+    assert store.pending_bytes == store.block_nbytes
+    pool[:, :, 1].zero_()  # the caller writes over its block
+    target = torch.zeros_like(pool)
+    assert store.read_into(block_hash(1), target[:, :, 0])  # from the queue: the copy, not the new bytes
+    assert torch.equal(bits(target[:, :, 0]), bits(expected))
+    writer_gate.set()
+    assert store.flush(WAIT_S)
+    restarted_target = torch.zeros_like(pool)
+    assert store.read_into(block_hash(1), restarted_target[:, :, 5])  # from the file
+    assert torch.equal(bits(restarted_target[:, :, 5]), bits(expected))
+    store.write(block_hash(2), pool[:, :, 1], lent_slot=1)  # the slot may be lent again once reclaimed
+    store.close()
+
+
+def test_a_reclaim_with_no_room_for_a_copy_drops_the_write(tmp_path: Path, writer_gate: threading.Event) -> None:
+    store = make_store(tmp_path, max_pending_bytes=0)
+    pool = random_pool(torch.float32)
+    store.write(block_hash(1), pool[:, :, 1], lent_slot=1)
+    store.reclaim([1])
+    pool[:, :, 1].zero_()
+    assert store.take_lost() == [block_hash(1)]
+    assert not store.read_into(block_hash(1), pool[:, :, 2])  # never the overwritten bytes
+    writer_gate.set()
+    assert store.flush(WAIT_S)
+    assert not store.path_of(block_hash(1)).exists()
+    assert (store.stats.writes, store.stats.writes_dropped) == (0, 1)
+    store.close()
+
+
 def test_a_write_error_logs_once_stops_writes_and_reads_go_on(
         store: DiskBlockStore, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     pool = random_pool(torch.float32)

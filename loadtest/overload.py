@@ -8,6 +8,11 @@ Three phases:
    when it has none, so the load is what real clients that honour the server would send;
 3. recovery: the surge's users stop starting requests; one interactive probe at a time measures how
    long until a probe's TTFT is back within `recovered_ttft_factor` of the capacity phase's median.
+
+The server refuses only once its queue fills (`max_queued_requests`, batch-class requests at
+`batch_queue_fraction` of it), so a run meant to see refusals starts the server with a queue smaller
+than the surge: `fairlane serve --max-queued-requests 32` for the default 80 clients, 40 of them
+batch-class, leaves batch 24 places and interactive at least 8, the capacity phase's clients.
 """
 
 from __future__ import annotations
@@ -206,7 +211,7 @@ def _group(records: list[RequestRecord], seconds: float) -> dict[str, Any]:
         outcomes[r.outcome] = outcomes.get(r.outcome, 0) + 1
     return {
         "attempts": len(records), "ok": len(served), "outcomes": dict(sorted(outcomes.items())),
-        "refused_share": len(refused) / len(answered) if answered else 0.0,
+        "refused": len(refused), "refused_share": len(refused) / len(answered) if answered else 0.0,
         "refused_without_retry_after": sum(r.retry_after is None for r in refused),
         "goodput_tokens_per_s": sum(r.completion_tokens for r in served) / seconds,
         "ttft_s": {f"p{q}": percentile(ttft, q) for q in (50, 90, 99)},

@@ -47,6 +47,8 @@ def test_a_server_that_sheds_batch_and_keeps_interactive_goodput_holds() -> None
     assert report["passed"], report["failures"]
     surge = report["phases"][SURGE]
     assert surge["by_class"][BATCH]["refused_share"] == pytest.approx(6 / 7)
+    assert surge["refused"] == surge["by_class"][BATCH]["refused"] == 6
+    assert surge["by_class"][INTERACTIVE]["refused"] == 0
     assert surge["by_class"][INTERACTIVE]["goodput_tokens_per_s"] == pytest.approx(40.0)
     assert report["surge_goodput_vs_capacity"] == pytest.approx(45 / 40)
     assert "held" in overload_markdown(report)
@@ -70,3 +72,27 @@ def test_collapsed_interactive_goodput_fails() -> None:
     report = build_overload_report(result([*attempts, served(SURGE, INTERACTIVE, 11, tokens=10)]))
 
     assert any("collapsed" in f for f in report["failures"])
+
+
+def test_refusals_are_counted_per_class_in_the_summary() -> None:
+    attempts = [*healthy_run(), refused(SURGE, INTERACTIVE, 13, "503")]
+    summary = overload_markdown(build_overload_report(result(attempts)))
+
+    assert "| surge / batch | 7 | 1 | 6 | 85.7% |" in summary
+    assert "| surge / interactive | 9 | 8 | 1 | 11.1% |" in summary
+    assert "Nothing was refused" not in summary
+
+
+def test_a_surge_without_refusals_says_the_shedding_was_not_tried() -> None:
+    attempts = [a for a in healthy_run() if a.record.outcome == "ok"]
+    report = build_overload_report(result(attempts))
+
+    assert report["passed"], report["failures"]
+    assert "Nothing was refused in the surge" in overload_markdown(report)
+
+
+def test_a_surge_of_batch_users_only_is_judged_without_the_class_comparison() -> None:
+    attempts = [a for a in healthy_run() if not (a.phase == SURGE and a.record.klass == INTERACTIVE)]
+    report = build_overload_report(result(attempts))
+
+    assert not any("refused more often" in f for f in report["failures"])

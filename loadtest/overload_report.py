@@ -40,12 +40,15 @@ def verdicts(report: dict[str, Any]) -> list[str]:
 
 
 def _batch_not_shed_first(by_class: dict[str, Any]) -> list[str]:
-    """The failure when interactive attempts were refused more often than batch ones in the surge."""
+    """The failure when a larger share of interactive requests than of batch ones was refused in the
+    surge (per request, not per attempt: see loadtest.overload._refusals)."""
     interactive, batch = by_class.get(INTERACTIVE), by_class.get(BATCH)
-    if interactive is None or batch is None or interactive["refused_share"] <= batch["refused_share"]:
+    if interactive is None or batch is None \
+            or interactive["requests_refused_share"] <= batch["requests_refused_share"]:
         return []
-    return [f"interactive requests were refused more often than batch ones ({interactive['refused_share']:.1%} "
-            f"against {batch['refused_share']:.1%} of their attempts): batch was not shed first"]
+    shares = f"{interactive['requests_refused_share']:.1%} against {batch['requests_refused_share']:.1%}"
+    return [f"interactive requests were refused more often than batch ones ({shares} of their requests): "
+            "batch was not shed first"]
 
 
 def build_overload_report(result: OverloadResult) -> dict[str, Any]:
@@ -88,6 +91,10 @@ def _ttft(summary: dict[str, Any]) -> str:
     return "/".join("-" if v is None else f"{v * 1000:.0f}" for v in summary["ttft_s"].values())
 
 
+def _requests_refused(summary: dict[str, Any]) -> str:
+    return f"{summary['requests_refused']} of {summary['requests']} ({summary['requests_refused_share']:.1%})"
+
+
 def overload_markdown(report: dict[str, Any], plots: Sequence[str] = ()) -> str:
     config = report["config"]
     verdict = "**Overload: held**" if report["passed"] else "**Overload: FAILED**: " + "; ".join(report["failures"])
@@ -97,13 +104,13 @@ def overload_markdown(report: dict[str, Any], plots: Sequence[str] = ()) -> str:
              f"Server {config['url']}, model `{report['model']}`; {config['capacity_s']:g} s at capacity, then "
              f"{config['surge_s']:g} s of surge ({config['batch_share']:.0%} of its clients send batch-class work); "
              "every client honours Retry-After with exponential backoff.", "", verdict, "",
-             "| phase / class | attempts | ok | refused | refused share | refused w/o Retry-After | goodput tok/s "
-             "| TTFT p50/p90/p99 ms | outcomes |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+             "| phase / class | attempts | ok | refused | refused share | requests refused | refused w/o Retry-After "
+             "| goodput tok/s | TTFT p50/p90/p99 ms | outcomes |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
     for phase, summary in report["phases"].items():
         for name, group in [(phase, summary)] + [(f"{phase} / {k}", g) for k, g in summary["by_class"].items()]:
             lines.append(f"| {name} | {group['attempts']} | {group['ok']} | {group['refused']} | "
-                         f"{group['refused_share']:.1%} | "
+                         f"{group['refused_share']:.1%} | {_requests_refused(group)} | "
                          f"{group['refused_without_retry_after']} | {group['goodput_tokens_per_s']:.1f} | "
                          f"{_ttft(group)} | {', '.join(f'{o}: {n}' for o, n in group['outcomes'].items())} |")
     if not report["phases"][SURGE]["refused"]:

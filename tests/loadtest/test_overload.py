@@ -7,7 +7,16 @@ import random
 import pytest
 
 from loadtest.client import RequestRecord
-from loadtest.overload import CAPACITY, RECOVERY, SURGE, Attempt, OverloadConfig, OverloadResult, retry_delay
+from loadtest.overload import (
+    CAPACITY,
+    RECOVERY,
+    SURGE,
+    Attempt,
+    OverloadConfig,
+    OverloadResult,
+    retry_delay,
+    surge_classes,
+)
 from loadtest.overload_report import build_overload_report, overload_markdown
 from loadtest.workload import BATCH, INTERACTIVE
 
@@ -25,8 +34,9 @@ def served(phase: str, klass: str, at: float, tokens: int = 50) -> Attempt:
     return Attempt(phase, RequestRecord("alice", klass, at, "ok", 0.2, 2.0, [at + 2], completion_tokens=tokens))
 
 
-def refused(phase: str, klass: str, at: float, status: str = "429", retry_after: str | None = "1") -> Attempt:
-    return Attempt(phase, RequestRecord("alice", klass, at, status, e2e_s=0.01, retry_after=retry_after))
+def refused(phase: str, klass: str, at: float, status: str = "429", retry_after: str | None = "1", *,
+            is_retry: bool = False) -> Attempt:
+    return Attempt(phase, RequestRecord("alice", klass, at, status, e2e_s=0.01, retry_after=retry_after), is_retry)
 
 
 def result(attempts: list[Attempt], recovery_s: float | None = 3.0) -> OverloadResult:
@@ -96,3 +106,27 @@ def test_a_surge_of_batch_users_only_is_judged_without_the_class_comparison() ->
     report = build_overload_report(result(attempts))
 
     assert not any("refused more often" in f for f in report["failures"])
+
+
+def test_batch_shed_first_is_judged_per_request_not_per_attempt() -> None:
+    """Interactive requests mostly got in; one was tried 60 times while the admitted clients sat in
+    their requests. Per attempt interactive looks refused more often than batch, per request it was not."""
+    one_retried = [refused(SURGE, INTERACTIVE, 10 + t / 6, is_retry=t > 0) for t in range(60)]
+    report = build_overload_report(result(healthy_run() + one_retried))
+    by_class = report["phases"][SURGE]["by_class"]
+    interactive, batch = by_class[INTERACTIVE], by_class[BATCH]
+
+    assert interactive["refused_share"] > batch["refused_share"]  # 60 of 68 attempts, against 6 of 7
+    assert (interactive["requests_refused"], interactive["requests"]) == (1, 9)
+    assert interactive["requests_refused_share"] < batch["requests_refused_share"]
+    assert report["passed"], report["failures"]
+
+
+@pytest.mark.parametrize("batch_share", [0.0, 0.25, 0.5, 0.9])
+def test_the_surge_starts_its_classes_interleaved(batch_share: float) -> None:
+    """Users start in list order and the first take the empty queue's places: no class goes first."""
+    classes = surge_classes(OverloadConfig("http://127.0.0.1:1", capacity_clients=8, factor=10,
+                                           batch_share=batch_share))
+
+    assert len(classes) == 80 and classes.count(BATCH) == round(80 * batch_share)
+    assert all(abs(classes[:n].count(BATCH) - n * batch_share) <= 1 for n in range(1, 81))

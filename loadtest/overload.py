@@ -12,7 +12,7 @@ Three phases:
 The server refuses only once its queue fills (`max_queued_requests`, batch-class requests at
 `batch_queue_fraction` of it), so a run meant to see refusals starts the server with a queue smaller
 than the surge: `fairlane serve --max-queued-requests 32` for the default 80 clients, 40 of them
-batch-class, leaves batch 24 places and interactive at least 8, the capacity phase's clients.
+batch-class, leaves batch 24 places and interactive the other 8, as many as the capacity phase's clients.
 """
 
 from __future__ import annotations

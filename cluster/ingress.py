@@ -39,6 +39,7 @@ class OpenAIIngress:
         engine = ClusterEngine(RemoteExecutor(description.geometry, check_structured), description.tenants,
                                replicas.options(stream=True, method_name="generate"), board,
                                max_queued_requests=settings.max_queued_requests,
+                               batch_queue_fraction=settings.batch_queue_fraction,
                                stall_after_s=settings.engine_stall_s,
                                report_max_age_s=max(2.0, REPORT_MAX_AGE_INTERVALS * settings.vtc_sync_interval_s))
         self.context = ServingContext(settings, engine, description.tokenizer,

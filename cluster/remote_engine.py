@@ -72,9 +72,10 @@ class ClusterEngine(EngineFront):
     come from the board (`replica_snapshots`)."""
 
     def __init__(self, executor: RemoteExecutor, tenants: TenantRegistry, generate: Any, board: Any, *,
-                 max_queued_requests: int, stall_after_s: float, report_max_age_s: float) -> None:
+                 max_queued_requests: int, batch_queue_fraction: float, stall_after_s: float,
+                 report_max_age_s: float) -> None:
         super().__init__(executor, executor.geometry, tenants, max_queued_requests=max_queued_requests,
-                         stall_after_s=stall_after_s)
+                         batch_queue_fraction=batch_queue_fraction, stall_after_s=stall_after_s)
         self._idle_snapshot = idle_snapshot(executor.geometry)
         self._generate = generate  # the replicas' handle, streaming, method `generate`
         self._board = board

@@ -78,7 +78,11 @@ class Settings(BaseModel):
     # Scheduling.
     max_num_seqs: int = Field(default=64, ge=1)
     max_num_batched_tokens: int = Field(default=512, ge=1)
-    max_queued_requests: int = Field(default=1024, ge=1)
+    max_queued_requests: int = Field(default=1024, ge=1)  # requests in the engine, running or waiting
+    # Batch-class work is shed first: once the queue holds this share of max_queued_requests (at least one
+    # place), a batch request gets in only under its tenant's weighted share of that part; the rest of the
+    # queue stays for interactive requests (scheduling/engine.py, EngineFront._check_room).
+    batch_queue_fraction: float = Field(default=0.75, gt=0, le=1)
     # swap: a preempted batch request's KV goes to the CPU pool (recompute when it is full);
     # recompute: its KV is dropped and rebuilt on resume.
     preemption_mode: Literal["swap", "recompute"] = "swap"

@@ -8,6 +8,11 @@ Three phases:
    when it has none, so the load is what real clients that honour the server would send;
 3. recovery: the surge's users stop starting requests; one interactive probe at a time measures how
    long until a probe's TTFT is back within `recovered_ttft_factor` of the capacity phase's median.
+
+The server refuses only once its queue fills (`max_queued_requests`, batch-class requests at
+`batch_queue_fraction` of it), so a run meant to see refusals starts the server with a queue smaller
+than the surge: `fairlane serve --max-queued-requests 32` for the default 80 clients, 40 of them
+batch-class, leaves batch 24 places and interactive the other 8, as many as the capacity phase's clients.
 """
 
 from __future__ import annotations
@@ -15,13 +20,14 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 
-from loadtest.client import OK, RequestRecord, send_chat, served_model
+from loadtest.client import OK, UNFINISHED, RequestRecord, send_chat, served_model
 from loadtest.stats import percentile
 from loadtest.workload import ANONYMOUS, BATCH, INTERACTIVE, ChatRequest, LoadTenant, batch_request, chat_request
 
@@ -62,6 +68,7 @@ class Attempt:
 
     phase: str
     record: RequestRecord
+    is_retry: bool = False  # a try after a refusal; the request's first try is not
 
 
 @dataclass(slots=True)
@@ -87,19 +94,21 @@ class Surge:
     def now(self) -> float:
         return time.perf_counter() - self._start
 
-    async def send(self, request: ChatRequest) -> RequestRecord:
+    async def send(self, request: ChatRequest, *, is_retry: bool = False) -> RequestRecord:
         record = RequestRecord(request.tenant.tenant_id, request.klass, self.now())
-        self.attempts.append(Attempt(self.phase, record))
+        self.attempts.append(Attempt(self.phase, record, is_retry))
         await send_chat(self.http, self.model, request, record, self.now)
         return record
 
     async def send_until_served(self, request: ChatRequest, rng: random.Random) -> None:
         """Retry a refused request as a well-behaved client does, while the phase lasts."""
         backoff_s = FIRST_BACKOFF_S
+        is_retry = False
         while self.is_sending:
-            record = await self.send(request)
+            record = await self.send(request, is_retry=is_retry)
             if record.outcome not in REFUSED:
                 return
+            is_retry = True
             await asyncio.sleep(retry_delay(record.retry_after, backoff_s, rng))
             backoff_s = min(backoff_s * 2, self.config.max_backoff_s)
 
@@ -121,11 +130,17 @@ def retry_delay(retry_after: str | None, backoff_s: float, rng: random.Random) -
 
 
 def start_users(surge: Surge, classes: list[str]) -> list[asyncio.Task[None]]:
+    """One user per class given, started in that order; each class's users take the tenants in turn."""
     tenants = surge.config.tenants
     surge.is_sending = True
-    return [asyncio.create_task(surge.user(tenants[i % len(tenants)], klass,
-                                           random.Random(f"{surge.config.seed}/{surge.phase}/{i}")))
-            for i, klass in enumerate(classes)]
+    num_in_class: Counter[str] = Counter()
+    users = []
+    for i, klass in enumerate(classes):
+        tenant = tenants[num_in_class[klass] % len(tenants)]
+        num_in_class[klass] += 1
+        rng = random.Random(f"{surge.config.seed}/{surge.phase}/{i}")
+        users.append(asyncio.create_task(surge.user(tenant, klass, rng)))
+    return users
 
 
 async def stop_users(surge: Surge, users: list[asyncio.Task[None]], drain_s: float) -> None:
@@ -138,9 +153,11 @@ async def stop_users(surge: Surge, users: list[asyncio.Task[None]], drain_s: flo
 
 
 def surge_classes(config: OverloadConfig) -> list[str]:
+    """The surge's users' classes, batch ones spread evenly through the list: users start in this
+    order, and the first to arrive take the empty queue's places, so neither class is given a head start."""
     count = config.capacity_clients * config.factor
     num_batch = round(count * config.batch_share)
-    return [BATCH] * num_batch + [INTERACTIVE] * (count - num_batch)
+    return [BATCH if (i + 1) * num_batch // count > i * num_batch // count else INTERACTIVE for i in range(count)]
 
 
 async def measure_recovery(surge: Surge, reference_ttft_s: float, timeout_s: float
@@ -189,16 +206,15 @@ def capacity_ttfts(attempts: list[Attempt]) -> list[float]:
 
 def summary_of(attempts: list[Attempt], phase: str, span: tuple[float, float]) -> dict[str, Any]:
     """What one phase's attempts got, overall and per class."""
-    chosen = [a.record for a in attempts if a.phase == phase]
+    chosen = [a for a in attempts if a.phase == phase]
     seconds = max(span[1] - span[0], 1e-9)
     return {"seconds": round(seconds, 2), "span": [round(span[0], 2), round(span[1], 2)], **_group(chosen, seconds),
-            "by_class": {klass: _group([r for r in chosen if r.klass == klass], seconds)
-                         for klass in sorted({r.klass for r in chosen})}}
+            "by_class": {klass: _group([a for a in chosen if a.record.klass == klass], seconds)
+                         for klass in sorted({a.record.klass for a in chosen})}}
 
 
-def _group(records: list[RequestRecord], seconds: float) -> dict[str, Any]:
-    answered = [r for r in records if r.outcome not in ("unfinished",)]
-    refused = [r for r in records if r.outcome in REFUSED]
+def _group(attempts: list[Attempt], seconds: float) -> dict[str, Any]:
+    records = [a.record for a in attempts]
     served = [r for r in records if r.outcome == OK]
     ttft = [r.ttft_s for r in served if r.ttft_s is not None]
     outcomes: dict[str, int] = {}
@@ -206,8 +222,28 @@ def _group(records: list[RequestRecord], seconds: float) -> dict[str, Any]:
         outcomes[r.outcome] = outcomes.get(r.outcome, 0) + 1
     return {
         "attempts": len(records), "ok": len(served), "outcomes": dict(sorted(outcomes.items())),
-        "refused_share": len(refused) / len(answered) if answered else 0.0,
-        "refused_without_retry_after": sum(r.retry_after is None for r in refused),
+        **_refusals(attempts),
         "goodput_tokens_per_s": sum(r.completion_tokens for r in served) / seconds,
         "ttft_s": {f"p{q}": percentile(ttft, q) for q in (50, 90, 99)},
     }
+
+
+def _refusals(attempts: list[Attempt]) -> dict[str, Any]:
+    """Refusals per attempt, and per request: a request is retried only after a refusal, so it was
+    refused at least once exactly when its first try was (a first try still running at the end was
+    let in). Per request, a class whose admitted clients sit in long requests (and so try less often)
+    does not look refused more often than it is, as it can per attempt."""
+    refused = [a.record for a in attempts if a.record.outcome in REFUSED]
+    first_tries = [a.record for a in attempts if not a.is_retry]
+    first_refused = sum(r.outcome in REFUSED for r in first_tries)
+    return {
+        "refused": len(refused),
+        "refused_share": _share(len(refused), sum(a.record.outcome != UNFINISHED for a in attempts)),
+        "refused_without_retry_after": sum(r.retry_after is None for r in refused),
+        "requests": len(first_tries), "requests_refused": first_refused,
+        "requests_refused_share": _share(first_refused, len(first_tries)),
+    }
+
+
+def _share(part: int, whole: int) -> float:
+    return part / whole if whole else 0.0

@@ -33,12 +33,22 @@ def verdicts(report: dict[str, Any]) -> list[str]:
     if interactive < COLLAPSE_SHARE * capacity["goodput_tokens_per_s"]:
         found.append(f"interactive goodput collapsed: {interactive:.1f} tokens/s in the surge against "
                      f"{capacity['goodput_tokens_per_s']:.1f} at capacity")
-    batch = surge["by_class"].get(BATCH)
-    if batch is not None and surge["by_class"][INTERACTIVE]["refused_share"] > batch["refused_share"]:
-        found.append("interactive requests were refused more often than batch ones: batch was not shed first")
+    found += _batch_not_shed_first(surge["by_class"])
     if report["recovery_s"] is None:
         found.append("the server did not recover within the timeout")
     return found
+
+
+def _batch_not_shed_first(by_class: dict[str, Any]) -> list[str]:
+    """The failure when a larger share of interactive requests than of batch ones was refused in the
+    surge (per request, not per attempt: see loadtest.overload._refusals)."""
+    interactive, batch = by_class.get(INTERACTIVE), by_class.get(BATCH)
+    if interactive is None or batch is None \
+            or interactive["requests_refused_share"] <= batch["requests_refused_share"]:
+        return []
+    shares = f"{interactive['requests_refused_share']:.1%} against {batch['requests_refused_share']:.1%}"
+    return [f"interactive requests were refused more often than batch ones ({shares} of their requests): "
+            "batch was not shed first"]
 
 
 def build_overload_report(result: OverloadResult) -> dict[str, Any]:
@@ -81,6 +91,10 @@ def _ttft(summary: dict[str, Any]) -> str:
     return "/".join("-" if v is None else f"{v * 1000:.0f}" for v in summary["ttft_s"].values())
 
 
+def _requests_refused(summary: dict[str, Any]) -> str:
+    return f"{summary['requests_refused']} of {summary['requests']} ({summary['requests_refused_share']:.1%})"
+
+
 def overload_markdown(report: dict[str, Any], plots: Sequence[str] = ()) -> str:
     config = report["config"]
     verdict = "**Overload: held**" if report["passed"] else "**Overload: FAILED**: " + "; ".join(report["failures"])
@@ -90,14 +104,19 @@ def overload_markdown(report: dict[str, Any], plots: Sequence[str] = ()) -> str:
              f"Server {config['url']}, model `{report['model']}`; {config['capacity_s']:g} s at capacity, then "
              f"{config['surge_s']:g} s of surge ({config['batch_share']:.0%} of its clients send batch-class work); "
              "every client honours Retry-After with exponential backoff.", "", verdict, "",
-             "| phase / class | attempts | ok | refused share | refused w/o Retry-After | goodput tok/s "
-             "| TTFT p50/p90/p99 ms | outcomes |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+             "| phase / class | attempts | ok | refused | refused share | requests refused | refused w/o Retry-After "
+             "| goodput tok/s | TTFT p50/p90/p99 ms | outcomes |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
     for phase, summary in report["phases"].items():
         for name, group in [(phase, summary)] + [(f"{phase} / {k}", g) for k, g in summary["by_class"].items()]:
-            lines.append(f"| {name} | {group['attempts']} | {group['ok']} | {group['refused_share']:.1%} | "
+            lines.append(f"| {name} | {group['attempts']} | {group['ok']} | {group['refused']} | "
+                         f"{group['refused_share']:.1%} | {_requests_refused(group)} | "
                          f"{group['refused_without_retry_after']} | {group['goodput_tokens_per_s']:.1f} | "
                          f"{_ttft(group)} | {', '.join(f'{o}: {n}' for o, n in group['outcomes'].items())} |")
+    if not report["phases"][SURGE]["refused"]:
+        lines += ["", "Nothing was refused in the surge: it never filled the server's queue, so whether batch "
+                      "work is shed first was not tried (start the server with a `--max-queued-requests` below "
+                      "the surge's clients)."]
     lines += ["", f"- Surge goodput against capacity: {'-' if ratio is None else f'{ratio:.2f}x'}",
               f"- Recovery after the surge: {'not within the timeout' if recovery is None else f'{recovery:.1f} s'} "
               "(until an interactive probe's TTFT is back within 2x the capacity phase's median)"]

@@ -12,6 +12,7 @@ import abc
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Mapping
@@ -23,7 +24,7 @@ from contract.plan import CacheGeometry, StepPlan, StepResult
 from scheduling.executor import Executor
 from scheduling.gc_pacing import PacedCollector
 from scheduling.prefix_cache import prompt_block_hashes
-from scheduling.request import Request, RequestId, RequestStatus, TokenEvent
+from scheduling.request import PriorityClass, Request, RequestId, RequestStatus, TokenEvent
 from scheduling.scheduler import AdmissionError, Scheduler, check_admissible
 from scheduling.snapshot import SchedulerSnapshot, StepCostStats
 from tenancy.tenants import TenantRegistry
@@ -123,15 +124,18 @@ class EngineTimes:
 
 class EngineFront(abc.ABC):
     """What every engine the app serves through does alike, whoever runs its steps: the checks at the
-    door (failure, shutdown, the queue's weighted shares, context length and KV room), one stream
-    per request, the observers, health, and the end of a failed loop. The app talks to this; `Engine`
-    runs the steps here, and a cluster's ingress (cluster/remote_engine.py) has replicas run them."""
+    door (failure, shutdown, the queue's limit per class and weighted shares, context length and KV
+    room), one stream per request, the observers, health, and the end of a failed loop. The app
+    talks to this; `Engine` runs the steps here, and a cluster's ingress (cluster/remote_engine.py)
+    has replicas run them."""
 
     def __init__(self, executor: Executor, geometry: CacheGeometry, tenants: TenantRegistry, *,
-                 max_queued_requests: int = 1024, stall_after_s: float = 60.0) -> None:
+                 max_queued_requests: int = 1024, batch_queue_fraction: float = 0.75,
+                 stall_after_s: float = 60.0) -> None:
         self.executor = executor  # what the app may ask of the runner besides steps (`check_structured`)
         self.geometry = geometry  # of the KV memory requests are checked against (the scheduler's)
         self.max_queued_requests = max_queued_requests
+        self.batch_queue_fraction = batch_queue_fraction  # of the queue that batch-class requests may fill
         self.stall_after_s = stall_after_s
         self.failure: str | None = None  # set once when the loop dies; the engine then refuses everything
         self.on_failure: list[Callable[[str], None]] = []  # told once, on the event loop, when the loop dies
@@ -180,7 +184,7 @@ class EngineFront(abc.ABC):
             raise EngineStopped(f"the engine has failed: {self.failure}")
         if not self._accepting:
             raise EngineStopped("the server is shutting down")
-        self._check_room(request.tenant_id)
+        self._check_room(request.tenant_id, request.priority)
         check_admissible(self.geometry, request.num_prompt_tokens, request.max_tokens)
         stream = RequestStream(self, request)
         if not self._streams:
@@ -218,28 +222,43 @@ class EngineFront(abc.ABC):
             except Exception:  # a metrics or quota bug must not stop the engine for everyone
                 logger.exception("engine observer %s failed on %s", type(observer).__name__, request.request_id)
 
-    def _check_room(self, tenant_id: str) -> None:
-        """The queue is shared by weight, as the KV blocks are: while there is room anyone may use it
-        (an idle tenant's share is borrowed); once it is full, a tenant under its weighted share of
-        `max_queued_requests` still gets in (so one tenant's flood never turns into another's 503,
-        and the queue holds at most twice its size), and one over it gets TenantOverShare (or
-        EngineOverloaded when it is the only tenant in flight)."""
-        if len(self._streams) < self.max_queued_requests:
+    def _check_room(self, tenant_id: str, priority: PriorityClass) -> None:
+        """Batch-class work is shed first, and the queue is shared by weight, as the KV blocks are.
+
+        Each class may fill the queue up to its own limit (`queue_limit`), counting the requests of
+        both classes: interactive requests all of `max_queued_requests`, batch ones only
+        `batch_queue_fraction` of it. So as the queue nears full, new batch requests are refused
+        while interactive ones still find the rest of the room.
+
+        Below its class's limit anyone may come in (an idle tenant's share is borrowed). At or past
+        it, a tenant under its weighted share of that limit still gets in (so one tenant's flood
+        never turns into another's 503, and the queue holds at most twice its size), and one over it
+        gets TenantOverShare (or EngineOverloaded when it is the only tenant in flight)."""
+        limit = self.queue_limit(priority)
+        if len(self._streams) < limit:
             return
         held = self._in_flight_by_tenant[tenant_id]
-        if held < self.queue_share(tenant_id):
+        if held < self.queue_share(tenant_id, priority):
             return
+        fill = f"{len(self._streams)} requests in flight, {priority.value}-class requests may fill {limit}"
         if held == len(self._streams):  # nobody else is waiting: the server, not a neighbour, is full
-            raise EngineOverloaded(f"the engine has {len(self._streams)} requests in flight")
-        raise TenantOverShare(f"the engine queue is full and this tenant holds {held} of its "
-                              f"{len(self._streams)} requests, its weighted share or more")
+            raise EngineOverloaded(f"the engine has {fill}")
+        raise TenantOverShare(f"the engine has {fill}, and this tenant holds {held} of them, "
+                              "its weighted share or more")
 
-    def queue_share(self, tenant_id: str) -> float:
-        """The tenant's weighted share of the queue among the tenants with requests in flight and itself."""
+    def queue_limit(self, priority: PriorityClass) -> int:
+        """How full the queue may get with requests of the class still let in (at least one)."""
+        if priority is PriorityClass.INTERACTIVE:
+            return self.max_queued_requests
+        return max(1, math.ceil(self.max_queued_requests * self.batch_queue_fraction))
+
+    def queue_share(self, tenant_id: str, priority: PriorityClass = PriorityClass.INTERACTIVE) -> float:
+        """The tenant's weighted share of the class's queue limit, among the tenants with requests in
+        flight and itself."""
         tenants = self._tenants
         active = {t for t, n in self._in_flight_by_tenant.items() if n > 0} | {tenant_id}
         total_weight = sum(tenants.weight(t) for t in active)
-        return self.max_queued_requests * tenants.weight(tenant_id) / total_weight
+        return self.queue_limit(priority) * tenants.weight(tenant_id) / total_weight
 
     def health(self) -> EngineHealth:
         """Unhealthy once the loop has died, or while work waits and no step has ended for stall_after_s."""
@@ -294,9 +313,10 @@ class Engine(EngineFront):
     work; every change to the scheduler is a command that task applies."""
 
     def __init__(self, scheduler: Scheduler, executor: Executor, *, max_queued_requests: int = 1024,
-                 stall_after_s: float = 60.0, step_thread: ThreadPoolExecutor | None = None) -> None:
+                 batch_queue_fraction: float = 0.75, stall_after_s: float = 60.0,
+                 step_thread: ThreadPoolExecutor | None = None) -> None:
         super().__init__(executor, scheduler.geometry, scheduler.tenants, max_queued_requests=max_queued_requests,
-                         stall_after_s=stall_after_s)
+                         batch_queue_fraction=batch_queue_fraction, stall_after_s=stall_after_s)
         self.scheduler = scheduler
         self._snapshot = scheduler.snapshot()
         # What the engine reads of the scheduler's configuration, once: after this only its task touches it.

@@ -78,4 +78,5 @@ def build_engine(settings: Settings, loaded: LoadedModel | None = None,
         raise
     scheduler = Scheduler(scheduler_config_of(settings), runner.geometry, tenants)
     return Engine(scheduler, runner, max_queued_requests=settings.max_queued_requests,
+                  batch_queue_fraction=settings.batch_queue_fraction,
                   stall_after_s=settings.engine_stall_s, step_thread=step_thread), runner

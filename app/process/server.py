@@ -42,7 +42,8 @@ from scheduling.gc_pacing import paced_collection
 logger = logging.getLogger(__name__)
 
 SERVE_FLAG_KEYS = ("host", "port", "served_model_name", "shutdown_grace_s", "max_body_bytes",
-                   "default_max_tokens", "tenants_file", "metrics_names", "otlp_traces_endpoint")
+                   "default_max_tokens", "max_queued_requests", "batch_queue_fraction", "tenants_file",
+                   "metrics_names", "otlp_traces_endpoint")
 # After the drain every generation has ended; this only bounds clients too slow to read their last bytes.
 CLOSE_TIMEOUT_S = 5
 
@@ -178,6 +179,10 @@ def add_serve_command(subparsers: argparse._SubParsersAction[argparse.ArgumentPa
     parser.add_argument("--shutdown-grace-s", type=float, help="seconds running requests get on SIGTERM")
     parser.add_argument("--max-body-bytes", type=int, help="larger request bodies get 413")
     parser.add_argument("--default-max-tokens", type=int, help="max_tokens when a request gives none")
+    parser.add_argument("--max-queued-requests", type=int,
+                        help="requests the engine holds, running or waiting, before it refuses more (default 1024)")
+    parser.add_argument("--batch-queue-fraction", type=float,
+                        help="share of that queue batch-class requests may fill (default 0.75)")
     parser.add_argument("--tenants", dest="tenants_file", help="a tenants TOML file: API keys, weights, limits")
     parser.add_argument("--metrics-names", choices=["fairlane", "vllm"],
                         help="vllm: serve every metric under the vllm: prefix too, for vLLM's dashboards")

@@ -55,8 +55,9 @@ class RecordingEngine(Engine):
     """An engine that keeps every request it was given, so tests can see what the API built."""
 
     def __init__(self, scheduler: Scheduler, executor: Executor, *, max_queued_requests: int = 1024,
-                 stall_after_s: float = 60.0) -> None:
-        super().__init__(scheduler, executor, max_queued_requests=max_queued_requests, stall_after_s=stall_after_s)
+                 batch_queue_fraction: float = 0.75, stall_after_s: float = 60.0) -> None:
+        super().__init__(scheduler, executor, max_queued_requests=max_queued_requests,
+                         batch_queue_fraction=batch_queue_fraction, stall_after_s=stall_after_s)
         self.submitted: list[Request] = []
 
     def submit(self, request: Request) -> RequestStream:
@@ -132,6 +133,7 @@ def instant_context(script: bytes | None = None, **overrides: Any) -> ServingCon
 def _context(settings: Settings, executor: Executor, tokenizer: Tokenizer) -> ServingContext:
     scheduler = Scheduler(scheduler_config_of(settings), executor.geometry, tenants_of(settings))
     engine = RecordingEngine(scheduler, executor, max_queued_requests=settings.max_queued_requests,
+                             batch_queue_fraction=settings.batch_queue_fraction,
                              stall_after_s=settings.engine_stall_s)
     return ServingContext(settings, engine, tokenizer)
 

@@ -1,6 +1,6 @@
 """What one tenant or one fault must not do to the server: operator endpoints closed to tenants, a
-dead engine loop failing loudly, one tenant's flood never another's 503, shutdown 503s that say when
-to come back."""
+dead engine loop failing loudly, one tenant's flood never another's 503, batch work refused before
+interactive work in a filling queue, shutdown 503s that say when to come back."""
 
 from __future__ import annotations
 
@@ -160,6 +160,32 @@ async def test_past_its_share_a_tenant_gets_429(tenants_file: Path) -> None:
         server.stop()
     assert over.status_code == 429 and over.json()["error"]["code"] == "queue_share_exceeded"
     assert over.headers["retry-after"] == "1"
+
+
+def chat(server: ServerThread, **fields: Any) -> dict[str, Any]:
+    return {"model": server.model_name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **fields}
+
+
+async def test_a_filling_queue_refuses_batch_work_while_interactive_work_gets_in() -> None:
+    server, executor = stepped_server(max_queued_requests=4, batch_queue_fraction=0.5)  # batch may fill 2
+    try:
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=30) as http:
+            held = [asyncio.create_task(http.post("/v1/chat/completions", json=chat(server))) for _ in range(2)]
+            await asyncio.to_thread(wait_for, lambda: server.engine.num_unfinished == 2, what="the batch part full")
+            batch = await http.post("/v1/chat/completions", json=chat(server, service_tier="flex"))
+            interactive = [asyncio.create_task(http.post("/v1/chat/completions", json=chat(server))),
+                           asyncio.create_task(http.post("/v1/messages", json=chat(server)))]  # always interactive
+            await asyncio.to_thread(wait_for, lambda: server.engine.num_unfinished == 4, what="interactive admitted")
+            executor.open()
+            served = await asyncio.gather(*held, *interactive)
+    finally:
+        executor.open()
+        server.stop()
+    error = batch.json()["error"]
+    assert batch.status_code == 503 and batch.headers["retry-after"] == "1"
+    assert error.keys() == {"message", "type", "param", "code"} and error["code"] == "server_overloaded"
+    assert "batch-class requests may fill 2" in error["message"]
+    assert [r.status_code for r in served] == [200, 200, 200, 200]
 
 
 def test_shutdown_503s_carry_retry_after() -> None:

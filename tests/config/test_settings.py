@@ -70,6 +70,8 @@ def test_unknown_override_is_named() -> None:
     ({"FAIRLANE_DEVICE": "tpu"}, "device"),
     ({"FAIRLANE_METRICS_NAMES": "tgi"}, "metrics_names"),
     ({"FAIRLANE_OTLP_TRACES_ENDPOINT": "127.0.0.1:4318"}, "otlp_traces_endpoint"),  # no scheme
+    ({"FAIRLANE_BATCH_QUEUE_FRACTION": "0"}, "batch_queue_fraction"),
+    ({"FAIRLANE_BATCH_QUEUE_FRACTION": "1.5"}, "batch_queue_fraction"),
 ])
 def test_invalid_environment_value_is_named(environ: dict[str, str], key: str) -> None:
     with pytest.raises(SettingsError, match=f"setting '{key}'"):

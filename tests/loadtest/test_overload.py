@@ -7,7 +7,16 @@ import random
 import pytest
 
 from loadtest.client import RequestRecord
-from loadtest.overload import CAPACITY, RECOVERY, SURGE, Attempt, OverloadConfig, OverloadResult, retry_delay
+from loadtest.overload import (
+    CAPACITY,
+    RECOVERY,
+    SURGE,
+    Attempt,
+    OverloadConfig,
+    OverloadResult,
+    retry_delay,
+    surge_classes,
+)
 from loadtest.overload_report import build_overload_report, overload_markdown
 from loadtest.workload import BATCH, INTERACTIVE
 
@@ -25,8 +34,9 @@ def served(phase: str, klass: str, at: float, tokens: int = 50) -> Attempt:
     return Attempt(phase, RequestRecord("alice", klass, at, "ok", 0.2, 2.0, [at + 2], completion_tokens=tokens))
 
 
-def refused(phase: str, klass: str, at: float, status: str = "429", retry_after: str | None = "1") -> Attempt:
-    return Attempt(phase, RequestRecord("alice", klass, at, status, e2e_s=0.01, retry_after=retry_after))
+def refused(phase: str, klass: str, at: float, status: str = "429", retry_after: str | None = "1", *,
+            is_retry: bool = False) -> Attempt:
+    return Attempt(phase, RequestRecord("alice", klass, at, status, e2e_s=0.01, retry_after=retry_after), is_retry)
 
 
 def result(attempts: list[Attempt], recovery_s: float | None = 3.0) -> OverloadResult:
@@ -47,6 +57,8 @@ def test_a_server_that_sheds_batch_and_keeps_interactive_goodput_holds() -> None
     assert report["passed"], report["failures"]
     surge = report["phases"][SURGE]
     assert surge["by_class"][BATCH]["refused_share"] == pytest.approx(6 / 7)
+    assert surge["refused"] == surge["by_class"][BATCH]["refused"] == 6
+    assert surge["by_class"][INTERACTIVE]["refused"] == 0
     assert surge["by_class"][INTERACTIVE]["goodput_tokens_per_s"] == pytest.approx(40.0)
     assert report["surge_goodput_vs_capacity"] == pytest.approx(45 / 40)
     assert "held" in overload_markdown(report)
@@ -70,3 +82,51 @@ def test_collapsed_interactive_goodput_fails() -> None:
     report = build_overload_report(result([*attempts, served(SURGE, INTERACTIVE, 11, tokens=10)]))
 
     assert any("collapsed" in f for f in report["failures"])
+
+
+def test_refusals_are_counted_per_class_in_the_summary() -> None:
+    attempts = [*healthy_run(), refused(SURGE, INTERACTIVE, 13, "503")]
+    summary = overload_markdown(build_overload_report(result(attempts)))
+
+    assert "| surge / batch | 7 | 1 | 6 | 85.7% |" in summary
+    assert "| surge / interactive | 9 | 8 | 1 | 11.1% |" in summary
+    assert "Nothing was refused" not in summary
+
+
+def test_a_surge_without_refusals_says_the_shedding_was_not_tried() -> None:
+    attempts = [a for a in healthy_run() if a.record.outcome == "ok"]
+    report = build_overload_report(result(attempts))
+
+    assert report["passed"], report["failures"]
+    assert "Nothing was refused in the surge" in overload_markdown(report)
+
+
+def test_a_surge_of_batch_users_only_is_judged_without_the_class_comparison() -> None:
+    attempts = [a for a in healthy_run() if not (a.phase == SURGE and a.record.klass == INTERACTIVE)]
+    report = build_overload_report(result(attempts))
+
+    assert not any("refused more often" in f for f in report["failures"])
+
+
+def test_batch_shed_first_is_judged_per_request_not_per_attempt() -> None:
+    """Interactive requests mostly got in; one was tried 60 times while the admitted clients sat in
+    their requests. Per attempt interactive looks refused more often than batch, per request it was not."""
+    one_retried = [refused(SURGE, INTERACTIVE, 10 + t / 6, is_retry=t > 0) for t in range(60)]
+    report = build_overload_report(result(healthy_run() + one_retried))
+    by_class = report["phases"][SURGE]["by_class"]
+    interactive, batch = by_class[INTERACTIVE], by_class[BATCH]
+
+    assert interactive["refused_share"] > batch["refused_share"]  # 60 of 68 attempts, against 6 of 7
+    assert (interactive["requests_refused"], interactive["requests"]) == (1, 9)
+    assert interactive["requests_refused_share"] < batch["requests_refused_share"]
+    assert report["passed"], report["failures"]
+
+
+@pytest.mark.parametrize("batch_share", [0.0, 0.25, 0.5, 0.9])
+def test_the_surge_starts_its_classes_interleaved(batch_share: float) -> None:
+    """Users start in list order and the first take the empty queue's places: no class goes first."""
+    classes = surge_classes(OverloadConfig("http://127.0.0.1:1", capacity_clients=8, factor=10,
+                                           batch_share=batch_share))
+
+    assert len(classes) == 80 and classes.count(BATCH) == round(80 * batch_share)
+    assert all(abs(classes[:n].count(BATCH) - n * batch_share) <= 1 for n in range(1, 81))

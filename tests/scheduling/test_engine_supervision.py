@@ -1,5 +1,6 @@
 """A supervised engine: a failure of the loop fails every request loudly, an observer's bug stays
-its own, a stalled engine says so, and the queue is shared by tenant weight."""
+its own, a stalled engine says so, the queue is shared by tenant weight, and batch-class work is
+refused before interactive work as it fills."""
 
 from __future__ import annotations
 
@@ -101,11 +102,16 @@ async def test_a_stalled_engine_is_unhealthy_until_it_moves_again() -> None:
     assert engine.health().is_healthy  # nothing in flight: an idle engine is not stalled
 
 
-def weighted_engine(max_queued_requests: int) -> Engine:
+def weighted_engine(max_queued_requests: int, batch_queue_fraction: float = 0.75) -> Engine:
     tenants = TenantRegistry([Tenant(TenantId("big"), 3.0), Tenant(TenantId("small"), 1.0)], requires_auth=False)
     executor = FakeExecutor(make_geometry())
     return Engine(Scheduler(SchedulerConfig(), executor.geometry, tenants), executor,
-                  max_queued_requests=max_queued_requests)
+                  max_queued_requests=max_queued_requests, batch_queue_fraction=batch_queue_fraction)
+
+
+def submit_many(engine: Engine, count: int, tenant_id: str, priority: PriorityClass) -> None:
+    for _ in range(count):
+        engine.submit(make_request(4, 4, tenant_id=tenant_id, priority=priority))
 
 
 def test_a_flood_fills_the_queue_but_another_tenant_still_gets_in() -> None:
@@ -133,6 +139,53 @@ def test_weights_set_the_shares() -> None:
     with pytest.raises(TenantOverShare):
         engine.submit(make_request(4, 4, tenant_id="big"))
     assert engine.queue_share("big") == 6.0 and engine.queue_share("small") == 2.0
+
+
+def test_batch_is_refused_past_its_fraction_while_interactive_still_gets_in() -> None:
+    engine = weighted_engine(max_queued_requests=8, batch_queue_fraction=0.5)
+    submit_many(engine, 4, "big", PriorityClass.BATCH)  # batch may fill 8 x 0.5 = 4 places
+    with pytest.raises(EngineOverloaded) as batch_refused:  # alone in the queue: the server is full for batch
+        engine.submit(make_request(4, 4, tenant_id="big", priority=PriorityClass.BATCH))
+    submit_many(engine, 4, "big", PriorityClass.INTERACTIVE)  # interactive has the rest of the queue
+    with pytest.raises(EngineOverloaded):
+        engine.submit(make_request(4, 4, tenant_id="big", priority=PriorityClass.INTERACTIVE))
+
+    assert not isinstance(batch_refused.value, TenantOverShare)
+    assert "batch-class requests may fill 4" in str(batch_refused.value)
+    assert engine.num_unfinished == 8
+
+
+def test_interactive_requests_count_against_the_batch_limit() -> None:
+    engine = weighted_engine(max_queued_requests=8, batch_queue_fraction=0.5)
+    submit_many(engine, 4, "big", PriorityClass.INTERACTIVE)
+    with pytest.raises(EngineOverloaded):
+        engine.submit(make_request(4, 4, tenant_id="big", priority=PriorityClass.BATCH))
+    engine.submit(make_request(4, 4, tenant_id="big", priority=PriorityClass.INTERACTIVE))
+    assert engine.num_unfinished == 5
+
+
+def test_past_the_batch_limit_weighted_shares_of_it_still_hold() -> None:
+    engine = weighted_engine(max_queued_requests=8, batch_queue_fraction=0.5)
+    submit_many(engine, 4, "big", PriorityClass.INTERACTIVE)
+    # The batch limit (4) is reached. "small" (weight 1 of 4) is under its share of it, 4 x 1/4 = 1:
+    # one batch request gets in, the next is over its share; "big" already holds more than its 3.
+    engine.submit(make_request(4, 4, tenant_id="small", priority=PriorityClass.BATCH))
+    for tenant in ("small", "big"):
+        with pytest.raises(TenantOverShare):
+            engine.submit(make_request(4, 4, tenant_id=tenant, priority=PriorityClass.BATCH))
+    submit_many(engine, 3, "big", PriorityClass.INTERACTIVE)  # interactive still has room up to 8
+
+    assert engine.queue_share("small", PriorityClass.BATCH) == 1.0
+    assert engine.queue_share("big", PriorityClass.BATCH) == 3.0
+    assert engine.num_unfinished == 8
+
+
+@pytest.mark.parametrize(("max_queued", "fraction", "batch_limit"),
+                         [(1024, 0.75, 768), (10, 0.75, 8), (1, 0.75, 1), (1, 0.01, 1), (8, 1.0, 8)])
+def test_the_batch_limit_rounds_up_to_at_least_one_place(max_queued: int, fraction: float, batch_limit: int) -> None:
+    engine = weighted_engine(max_queued_requests=max_queued, batch_queue_fraction=fraction)
+    assert engine.queue_limit(PriorityClass.BATCH) == batch_limit
+    assert engine.queue_limit(PriorityClass.INTERACTIVE) == max_queued
 
 
 async def test_service_folded_in_reaches_the_counters_through_the_engines_task() -> None:

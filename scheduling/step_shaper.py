@@ -12,8 +12,10 @@ The target is `interactive_itl_target_s` when set (then long interactive prefill
 too, with at least one block each step so they progress), otherwise `interactive_itl_slack` times
 the predicted time of the interactive work alone: what the stream would see without batch work,
 plus a margin. With no interactive request active, or before the model has seen enough steps,
-nothing is shaped. A per-tenant or per-request target would be the smallest target among the
-step's interactive requests, passed where `_target_s` is computed.
+nothing is shaped; under a derived target, neither is a step that holds no interactive work (the
+unfinished interactive requests then all wait on something else, maybe on this batch work). A
+per-tenant or per-request target would be the smallest target among the step's interactive
+requests, passed where `_target_s` is computed.
 """
 
 from __future__ import annotations
@@ -79,6 +81,11 @@ class StepShaper:
         if not may_shape or coefficients is None:
             return
         interactive = combined(work_of(step.plan, swaps=False), interactive_demand, len(step.plan.swap_out))
+        if not interactive.sequences and self.config.interactive_itl_target_s is None:
+            # No interactive stream is in the step (those unfinished wait on limits, which may be waiting
+            # on this very batch work): a derived target has nothing to protect. Shaped against the fixed
+            # cost alone, batch would get no token at all, and nothing would ever move.
+            return
         predicted = coefficients.predict(interactive)
         step.shaped_time_left_s = max(0.0, self._target_s(predicted) - predicted)
         self.counters.shaped_steps += 1

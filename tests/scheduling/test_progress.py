@@ -14,6 +14,7 @@ from benchmarks.fake_executors import FakeExecutor
 from contract.plan import StepPlan
 from scheduling.request import PriorityClass, Request
 from scheduling.scheduler import Scheduler, SchedulerConfig
+from scheduling.tenant_load import TenantLoad
 from tenancy.tenants import Tenant, TenantId, TenantLimits, TenantRegistry
 from tests.factories import make_request, make_scheduler
 
@@ -83,6 +84,27 @@ def two_tenants(**limits: TenantLimits) -> TenantRegistry:
                            for name, weight in (("alice", 2.0), ("bob", 1.0))], requires_auth=False)
 
 
+def test_an_interactive_request_is_not_held_back_by_batch_work_of_either_tenant() -> None:
+    """bob (share 30 x 1/3 = 10 blocks) runs a batch request of 12 blocks; then bob sends an interactive
+    request and alice a batch one. Neither batch request may hold bob's interactive one back: bob's own
+    batch blocks give way to it (they are preempted for it if need be), and alice's batch request would
+    run only after it anyway. It starts at once, and every request ends with no step left empty."""
+    run = Run(two_tenants(), num_device_blocks=30)
+    run.warm_up("alice")
+    bob_batch = run.submit("bob", BATCH, 12 * BLOCK_SIZE - 8, 64)
+    run.step()  # bob's batch request is admitted: its whole prompt in one step
+    assert run.scheduler.blocks.device_blocks_held_by("bob") == 12
+
+    bob_chat = run.submit("bob", INTERACTIVE, 2 * BLOCK_SIZE, 16)
+    alice_batch = run.submit("alice", BATCH, 8 * BLOCK_SIZE, 16)
+    run.step()
+    assert bob_chat.num_output_tokens == 1  # its prompt and first token in the step after it arrived
+    steps = run.steps_until_finished([bob_chat, bob_batch, alice_batch])
+
+    assert run.num_empty_steps == 0
+    assert steps < 200, steps
+
+
 def test_an_interactive_request_held_back_by_max_concurrent_does_not_freeze_its_tenants_batch_work() -> None:
     """bob may run one request at a time and runs a batch one; its interactive request waits for that one
     to end (max_concurrent), so the batch request must not be held back for the interactive one."""
@@ -95,3 +117,21 @@ def test_an_interactive_request_held_back_by_max_concurrent_does_not_freeze_its_
 
     assert run.num_empty_steps == 0
     assert steps < 200, steps
+
+
+def test_the_interactive_kv_share_is_split_among_the_tenants_with_interactive_requests() -> None:
+    """The share of an interactive request counts the tenants with interactive requests; that of a batch
+    request, every tenant with an unfinished request."""
+    load = TenantLoad(two_tenants())
+    alice_batch, bob_chat = make_request(tenant_id="alice", priority=BATCH), make_request(tenant_id="bob")
+    alice_chat = make_request(tenant_id="alice")
+    load.added(alice_batch)
+    load.added(bob_chat)
+    assert (load.active_weight_from(INTERACTIVE), load.active_weight_from(BATCH)) == (1.0, 3.0)
+    load.added(alice_chat)
+    assert (load.active_weight_from(INTERACTIVE), load.active_weight_from(BATCH)) == (3.0, 3.0)
+    load.finished(bob_chat)
+    load.finished(alice_chat)
+    assert (load.active_weight_from(INTERACTIVE), load.active_weight_from(BATCH)) == (0.0, 2.0)
+    load.finished(alice_batch)
+    assert (load.active_weight_from(INTERACTIVE), load.active_weight_from(BATCH)) == (0.0, 0.0)

@@ -10,10 +10,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import pytest
+
 from benchmarks.fake_executors import FakeExecutor
 from contract.plan import StepPlan
 from scheduling.request import PriorityClass, Request
 from scheduling.scheduler import Scheduler, SchedulerConfig
+from scheduling.step_shaper import ShapingConfig
 from scheduling.tenant_load import TenantLoad
 from tenancy.tenants import Tenant, TenantId, TenantLimits, TenantRegistry
 from tests.factories import make_request, make_scheduler
@@ -37,8 +40,9 @@ class CpuLikeCost:
 class Run:
     """A scheduler stepped by hand the way the engine steps it, its cost model fed the fake's step times."""
 
-    def __init__(self, tenants: TenantRegistry, num_device_blocks: int, num_cpu_blocks: int = 256) -> None:
-        config = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=256)
+    def __init__(self, tenants: TenantRegistry, num_device_blocks: int, num_cpu_blocks: int = 256,
+                 shaping: ShapingConfig | None = None) -> None:
+        config = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=256, shaping=shaping or ShapingConfig())
         self.scheduler: Scheduler = make_scheduler(config, num_device_blocks=num_device_blocks,
                                                    num_cpu_blocks=num_cpu_blocks, block_size=BLOCK_SIZE,
                                                    tenants=tenants)
@@ -105,10 +109,16 @@ def test_an_interactive_request_is_not_held_back_by_batch_work_of_either_tenant(
     assert steps < 200, steps
 
 
-def test_an_interactive_request_held_back_by_max_concurrent_does_not_freeze_its_tenants_batch_work() -> None:
+@pytest.mark.parametrize("shaping", [
+    ShapingConfig(),  # derived: 1.1x an empty step's fixed cost leaves batch less than one decode
+    ShapingConfig(interactive_itl_target_s=0.005),  # fixed, below the fixed cost of any step: no time at all
+], ids=["derived-target", "unmeetable-fixed-target"])
+def test_an_interactive_request_held_back_by_max_concurrent_does_not_freeze_its_tenants_batch_work(
+        shaping: ShapingConfig) -> None:
     """bob may run one request at a time and runs a batch one; its interactive request waits for that one
-    to end (max_concurrent), so the batch request must not be held back for the interactive one."""
-    run = Run(two_tenants(bob=TenantLimits(max_concurrent=1)), num_device_blocks=64)
+    to end (max_concurrent). No interactive work is in the steps meanwhile, so shaping must not hold the
+    batch request back for the interactive one that waits on it."""
+    run = Run(two_tenants(bob=TenantLimits(max_concurrent=1)), num_device_blocks=64, shaping=shaping)
     run.warm_up("alice")
     bob_batch = run.submit("bob", BATCH, 4 * BLOCK_SIZE, 64)
     run.step()

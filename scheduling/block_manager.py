@@ -19,7 +19,7 @@ from contract.plan import TierCopies
 from scheduling.cache_pins import CachePins
 from scheduling.cache_tiers import LowerTiers
 from scheduling.prefix_cache import extend_block_hashes
-from scheduling.request import Request
+from scheduling.request import PriorityClass, Request
 
 
 class BlockPool:
@@ -119,7 +119,7 @@ class _BlockTable:
     """One request's blocks besides its device blocks (`KVBlockManager._device_tables`). Only the
     manager reads or writes it; the request holds none of it."""
 
-    tenant_id: str
+    owner: tuple[str, PriorityClass]  # the tenant and class whose blocks these are (for the KV share rule)
     cpu: list[int] = field(default_factory=list)  # while swapped out
     num_registered: int = 0  # leading device blocks already entered in the prefix cache
 
@@ -152,7 +152,7 @@ class KVBlockManager:
         self._device_tables: dict[str, tuple[int, ...]] = {}
         self.device_tables: Mapping[str, tuple[int, ...]] = MappingProxyType(self._device_tables)
         self._hashes: dict[str, list[bytes]] = {}  # each request's hash chain, grown lazily (derived data)
-        self._device_blocks_by_tenant: Counter[str] = Counter()
+        self._device_blocks_by_owner: Counter[tuple[str, PriorityClass]] = Counter()  # per tenant and class
 
     # ---- questions (change nothing) --------------------------------------------------------
 
@@ -176,8 +176,11 @@ class KVBlockManager:
         table = self._tables.get(request_id)
         return table.num_registered if table else 0
 
-    def device_blocks_held_by(self, tenant_id: str) -> int:
-        return self._device_blocks_by_tenant[tenant_id]
+    def device_blocks_held_by(self, tenant_id: str, priority: PriorityClass | None = None) -> int:
+        """Device blocks held by the tenant's requests of one class, or of every class (None)."""
+        if priority is not None:
+            return self._device_blocks_by_owner[(tenant_id, priority)]
+        return sum(self._device_blocks_by_owner[(tenant_id, p)] for p in PriorityClass)
 
     def blocks_needed(self, request: Request, num_new_tokens: int, num_computed: int | None = None) -> int:
         """Device blocks to add so positions up to num_computed + num_new_tokens have a slot."""
@@ -249,7 +252,7 @@ class KVBlockManager:
         # A cached block nobody holds sits in the free queue: sharing it takes it out.
         if num_fresh + sum(self.device.is_free(b) for b in cached_prefix) > self.device.num_free:
             return False
-        table = self._tables.setdefault(request.request_id, _BlockTable(request.tenant_id))
+        table = self._tables.setdefault(request.request_id, _BlockTable((request.tenant_id, request.priority)))
         for block in cached_prefix:
             self.device.share(block)
         if copied_up:
@@ -262,7 +265,7 @@ class KVBlockManager:
             self._copy_up(copied_up, fresh[:len(copied_up)])
         self._device_tables[request.request_id] = (*held, *cached_prefix, *fresh)
         table.num_registered = max(table.num_registered, num_hits)
-        self._device_blocks_by_tenant[table.tenant_id] += len(cached_prefix) + len(fresh)
+        self._device_blocks_by_owner[table.owner] += len(cached_prefix) + len(fresh)
         return True
 
     def _copy_up(self, chain: Sequence[bytes], device_blocks: list[int]) -> None:
@@ -325,7 +328,7 @@ class KVBlockManager:
         if table is not None:
             self.device.free(device)
             self.cpu.free(table.cpu)
-            self._device_blocks_by_tenant[table.tenant_id] -= len(device)
+            self._device_blocks_by_owner[table.owner] -= len(device)
         self._hashes.pop(request_id, None)
 
     def swap_out(self, request: Request) -> list[tuple[int, int]] | None:
@@ -336,7 +339,7 @@ class KVBlockManager:
             return None
         pairs = list(zip(device, cpu_blocks, strict=True))
         self.device.free(device)
-        self._device_blocks_by_tenant[table.tenant_id] -= len(device)
+        self._device_blocks_by_owner[table.owner] -= len(device)
         self._device_tables[request.request_id] = ()
         table.cpu, table.num_registered = cpu_blocks, 0
         return pairs
@@ -351,7 +354,7 @@ class KVBlockManager:
         self.cpu.free(table.cpu)
         self._device_tables[request.request_id] = tuple(device_blocks)
         table.cpu = []
-        self._device_blocks_by_tenant[table.tenant_id] += len(device_blocks)
+        self._device_blocks_by_owner[table.owner] += len(device_blocks)
         self.cache_computed_blocks(request)  # so every computed full block is registered (see Scheduler.update)
         return pairs
 

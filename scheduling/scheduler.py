@@ -234,15 +234,16 @@ class Scheduler:
         return self.shaper.may_shape(self.load.has_unfinished(PriorityClass.INTERACTIVE),
                                      self.load.has_unfinished(PriorityClass.BATCH))
 
-    def _open_shaped_budget(self, step: StepBuilder, interactive_demand: InteractiveDemand) -> None:
-        self.shaper.open_budget(step, interactive_demand.work, self._may_shape())
+    def _open_shaped_budget(self, step: StepBuilder, interactive_demand: InteractiveDemand,
+                            opened_for: PriorityClass = PriorityClass.BATCH) -> None:
+        self.shaper.open_budget(step, interactive_demand.work, self._may_shape(), opened_for)
 
     def _shaped(self, step: StepBuilder, request: Request, num_new: int, interactive_demand: InteractiveDemand,
                 swap_in_blocks: int = 0) -> int:
         """num_new, or fewer when step shaping holds the request's work back (see step_shaper.py)."""
         if not self.shaper.shapes(request) or not self._may_shape():
             return num_new
-        self._open_shaped_budget(step, interactive_demand)
+        self._open_shaped_budget(step, interactive_demand, request.priority)
         return self.shaper.fit(step, request, num_new, swap_in_blocks)
 
     def _schedule_running(self, step: StepBuilder, interactive_demand: InteractiveDemand) -> bool:

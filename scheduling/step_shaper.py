@@ -12,8 +12,10 @@ The target is `interactive_itl_target_s` when set (then long interactive prefill
 too, with at least one block each step so they progress), otherwise `interactive_itl_slack` times
 the predicted time of the interactive work alone: what the stream would see without batch work,
 plus a margin. With no interactive request active, or before the model has seen enough steps,
-nothing is shaped. A per-tenant or per-request target would be the smallest target among the
-step's interactive requests, passed where `_target_s` is computed.
+nothing is shaped, and neither is batch work in a step that holds no interactive work (the
+unfinished interactive requests then all wait on something else, maybe on this batch work). A
+per-tenant or per-request target would be the smallest target among the step's interactive
+requests, passed where `_target_s` is computed.
 """
 
 from __future__ import annotations
@@ -68,10 +70,12 @@ class StepShaper:
             num_new = min(num_new, self.block_size)
         demand.add_sequence(num_new, start_position)
 
-    def open_budget(self, step: StepBuilder, interactive_demand: StepWork, may_shape: bool) -> None:
+    def open_budget(self, step: StepBuilder, interactive_demand: StepWork, may_shape: bool,
+                    opened_for: PriorityClass = PriorityClass.BATCH) -> None:
         """Once per step, when its unshaped interactive work is chosen: the time the rest may take.
         `interactive_demand` is the work of interactive requests to be admitted later in the step;
-        `may_shape` is what `may_shape` answered for the step."""
+        `may_shape` is what `may_shape` answered for the step; `opened_for` is the class of the request
+        whose work is shaped first (an interactive prefill chunk, under a fixed target)."""
         if step.shaping_decided:
             return
         step.shaping_decided = True
@@ -79,6 +83,12 @@ class StepShaper:
         if not may_shape or coefficients is None:
             return
         interactive = combined(work_of(step.plan, swaps=False), interactive_demand, len(step.plan.swap_out))
+        if not interactive.sequences and opened_for is PriorityClass.BATCH:
+            # Only batch work is coming: the unfinished interactive requests all wait on something else,
+            # maybe on this very batch work (their tenant's limits). There is nothing to protect, and a
+            # budget could leave batch no token at all (a derived target is 1.1x an empty step's fixed
+            # cost, a fixed one may be below it): nothing would ever move.
+            return
         predicted = coefficients.predict(interactive)
         step.shaped_time_left_s = max(0.0, self._target_s(predicted) - predicted)
         self.counters.shaped_steps += 1

@@ -19,7 +19,8 @@ class TenantLoad:
         self._unfinished_by_tenant: Counter[str] = Counter()
         self._running_by_tenant: Counter[str] = Counter()
         self._running_by_class: Counter[PriorityClass] = Counter()
-        self.active_weight = 0.0  # the weights of the tenants with unfinished requests, summed
+        # Per class: the weights of the tenants with unfinished requests of that class or a higher one, summed.
+        self._active_weight_from: dict[PriorityClass, float] = dict.fromkeys(PriorityClass, 0.0)
 
     # ---- changes ---------------------------------------------------------------------------
 
@@ -33,12 +34,17 @@ class TenantLoad:
         self._unfinished[key] += 1
         self._unfinished_by_class[request.priority] += 1
         self._count_tenant(request.tenant_id, +1)
+        if newly_backlogged:
+            self._weigh_active_tenants()
         return others
 
     def finished(self, request: Request) -> None:
-        self._unfinished[(request.priority, request.tenant_id)] -= 1
+        key = (request.priority, request.tenant_id)
+        self._unfinished[key] -= 1
         self._unfinished_by_class[request.priority] -= 1
         self._count_tenant(request.tenant_id, -1)
+        if self._unfinished[key] == 0:  # no longer backlogged in its class
+            self._weigh_active_tenants()
 
     def started_running(self, request: Request) -> None:
         self._running_by_tenant[request.tenant_id] += 1
@@ -52,8 +58,15 @@ class TenantLoad:
         self._unfinished_by_tenant[tenant_id] += change
         if self._unfinished_by_tenant[tenant_id] == 0:
             del self._unfinished_by_tenant[tenant_id]
-        if self._unfinished_by_tenant.get(tenant_id, 0) == max(change, 0):  # became active or inactive
-            self.active_weight = sum(self._tenants.weight(t) for t in self._unfinished_by_tenant)
+
+    def _weigh_active_tenants(self) -> None:
+        """Recount the active weights per class; only when a tenant starts or stops being backlogged in a class."""
+        best_rank: dict[str, int] = {}  # each tenant with unfinished requests: the rank of its highest class
+        for (priority, tenant_id), count in self._unfinished.items():
+            if count > 0:
+                best_rank[tenant_id] = min(priority.rank, best_rank.get(tenant_id, priority.rank))
+        self._active_weight_from = {
+            p: sum(self._tenants.weight(t) for t, rank in best_rank.items() if rank <= p.rank) for p in PriorityClass}
 
     # ---- questions -------------------------------------------------------------------------
 
@@ -62,6 +75,11 @@ class TenantLoad:
 
     def num_running(self, priority: PriorityClass) -> int:
         return self._running_by_class[priority]
+
+    def active_weight_from(self, priority: PriorityClass) -> float:
+        """The weights of the tenants with unfinished requests of this class or a higher one, summed (of
+        the lowest class: of every tenant with an unfinished request)."""
+        return self._active_weight_from[priority]
 
     @property
     def num_active_tenants(self) -> int:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from scheduling.block_manager import BlockPool, KVBlockManager
+from scheduling.request import PriorityClass
 from tests.factories import make_request
 
 
@@ -89,3 +90,20 @@ def test_allocation_shares_the_prefix_and_counts_blocks_per_tenant() -> None:
     assert manager.num_cpu_blocks(later.request_id) == 4
     manager.free(later.request_id)
     assert (manager.device.num_free, manager.cpu.num_free) == (8, 4)
+
+
+def test_blocks_held_are_counted_per_tenant_and_class() -> None:
+    """The KV share rule of an interactive request counts only its tenant's interactive blocks."""
+    manager = KVBlockManager(num_device_blocks=8, num_cpu_blocks=4, block_size=BLOCK)
+    chat = make_request(2 * BLOCK, tenant_id="a", priority=PriorityClass.INTERACTIVE)
+    batch = make_request(3 * BLOCK, tenant_id="a", priority=PriorityClass.BATCH)
+    assert manager.allocate(chat, 2 * BLOCK) and manager.allocate(batch, 3 * BLOCK)
+    held = {p: manager.device_blocks_held_by("a", p) for p in PriorityClass}
+    assert held == {PriorityClass.INTERACTIVE: 2, PriorityClass.BATCH: 3}
+    assert manager.device_blocks_held_by("a") == 5
+
+    batch.num_computed_tokens = 3 * BLOCK
+    assert manager.swap_out(batch) is not None
+    assert (manager.device_blocks_held_by("a", PriorityClass.BATCH), manager.device_blocks_held_by("a")) == (0, 2)
+    assert manager.swap_in(batch) is not None
+    assert manager.device_blocks_held_by("a", PriorityClass.BATCH) == 3

@@ -31,6 +31,9 @@ from tenancy.tenants import TenantRegistry
 
 logger = logging.getLogger(__name__)
 
+# After a step that could run nothing, the loop waits this long for a command before it plans again.
+EMPTY_STEP_BACKOFF_S = 0.01
+
 
 class EngineOverloaded(RuntimeError):
     """The bounded queue is full: the caller should answer 503 with Retry-After."""
@@ -327,6 +330,7 @@ class Engine(EngineFront):
         self._to_finish: list[tuple[RequestId, RequestStatus]] = []
         self._to_fold: list[Mapping[str, Mapping[str, float]]] = []
         self._wake = asyncio.Event()
+        self._command_arrived = asyncio.Event()  # set with each command; cleared as a step applies them
         # The one thread that runs the executor's steps; the engine owns it from here on. A real runner
         # should have been built on it too (see app.process.engine_factory.build_engine).
         self._pool = step_thread or ThreadPoolExecutor(max_workers=1, thread_name_prefix="fairlane-step")
@@ -350,19 +354,19 @@ class Engine(EngineFront):
             request.prompt_block_hashes = prompt_block_hashes(request.prompt_token_ids, self._hash_block_size,
                                                               request.cache_salt)
         self._incoming.append(request)
-        self._wake.set()
+        self._command()
         return stream
 
     def finish(self, request_id: RequestId, status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
         """Abort (or stop) a request; takes effect before the next step."""
         self._to_finish.append((request_id, status))
-        self._wake.set()
+        self._command()
 
     def fold_service(self, service: Mapping[str, Mapping[str, float]]) -> None:
         """Service other replicas gave, per class name and tenant, for this engine's VTC counters
         (`Scheduler.fold_service`); applied by the engine's task before its next step."""
         self._to_fold.append(service)
-        self._wake.set()
+        self._command()
 
     async def shutdown(self, message: str = "the server is shutting down") -> None:
         """End every remaining request with an error, then stop the loop."""
@@ -437,8 +441,13 @@ class Engine(EngineFront):
             logger.exception("the engine loop failed")
             self._fail_loudly(f"{type(exc).__name__}: {exc}")
 
+    def _command(self) -> None:
+        self._wake.set()
+        self._command_arrived.set()
+
     async def _step(self) -> None:
         await self._wake.wait()
+        self._command_arrived.clear()
         self._apply_commands()
         if not self.scheduler.has_work() and not self.scheduler.has_untold_finishes:
             self._wake.clear()
@@ -459,6 +468,16 @@ class Engine(EngineFront):
         self.scheduler.observe_step_time(plan, seconds)
         self._snapshot = self.scheduler.snapshot()
         self._account(plan, result, seconds)
+        if plan.is_empty:
+            await self._wait_for_a_command(EMPTY_STEP_BACKOFF_S)
+
+    async def _wait_for_a_command(self, timeout_s: float) -> None:
+        """After a step that could run nothing, wait for a command (a request, an abort) or a short
+        while (time alone changes little: a pin's TTL, the step-cost model) before planning again. A
+        loop that planned again at once would spin the runner's thread on empty steps, thousands a
+        second, for as long as a request waits on something no step can give it."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._command_arrived.wait(), timeout_s)
 
     def _apply_commands(self) -> None:
         incoming, self._incoming = self._incoming, []

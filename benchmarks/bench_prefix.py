@@ -19,11 +19,11 @@ from typing import Any
 from app.process.engine_factory import build_engine
 from app.process.flags import add_model_flags, settings_from_args
 from benchmarks.bench_prefix_tiers import CONFIGURATIONS, run_tiers
+from benchmarks.prefix_requests import Outcome, one_request
 from config.settings import Settings
 from loadtest.bench_output import format_table, write_report
 from loadtest.stats import percentile_or_nan as percentile
 from scheduling.engine import Engine
-from scheduling.request import Request, RequestId
 
 
 @dataclass(slots=True, frozen=True)
@@ -33,31 +33,11 @@ class PrefixWorkload:
     max_tokens: int
 
 
-@dataclass(slots=True, frozen=True)
-class Outcome:
-    ttft: float
-    num_prompt_tokens: int
-    num_cached_tokens: int
-    num_output_tokens: int
-
-
 def make_prefix_workload(num_requests: int, system_len: int, seed: int, max_tokens: int) -> PrefixWorkload:
     rng = random.Random(seed)
     system = [rng.randrange(256) for _ in range(system_len)]
     questions = [[rng.randrange(256) for _ in range(rng.randint(16, 48))] for _ in range(num_requests)]
     return PrefixWorkload(system, questions, max_tokens)
-
-
-async def one_request(engine: Engine, request_id: str, prompt: list[int], max_tokens: int) -> Outcome:
-    started = time.perf_counter()
-    ttft = 0.0
-    last = None
-    async for event in engine.submit(Request(RequestId(request_id), prompt, max_tokens)):
-        if not ttft:
-            ttft = time.perf_counter() - started
-        last = event
-    assert last is not None and last.finish_reason == "length", last
-    return Outcome(ttft, last.num_prompt_tokens, last.num_cached_tokens, last.num_output_tokens)
 
 
 async def closed_loop(engine: Engine, workload: PrefixWorkload, concurrency: int) -> tuple[list[Outcome], float]:

@@ -27,12 +27,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from app.process.engine_factory import build_engine, load_model_for
+from benchmarks.prefix_requests import Outcome, one_request
 from config.settings import Settings
 from gpu.runner import kv_shape_of
 from loadtest.bench_output import format_table, write_report
 from loadtest.stats import percentile_or_nan as percentile
 from scheduling.engine import Engine
-from scheduling.request import Request, RequestId
 
 
 @dataclass(slots=True, frozen=True)
@@ -40,14 +40,6 @@ class TenantWorkload:
     systems: list[list[int]]  # one system prompt per tenant
     rounds: list[list[tuple[int, list[int]]]]  # per round: (tenant, question) in sending order
     max_tokens: int
-
-
-@dataclass(slots=True, frozen=True)
-class Outcome:
-    ttft: float
-    num_prompt_tokens: int
-    num_cached_tokens: int
-    num_output_tokens: int
 
 
 def make_workload(num_tenants: int, system_len: int, num_rounds: int, max_tokens: int, seed: int) -> TenantWorkload:
@@ -62,20 +54,6 @@ def make_workload(num_tenants: int, system_len: int, num_rounds: int, max_tokens
     return TenantWorkload(systems, rounds, max_tokens)
 
 
-async def one_request(engine: Engine, request_id: str, tenant: int, prompt: list[int], max_tokens: int) -> Outcome:
-    started = time.perf_counter()
-    ttft = 0.0
-    last = None
-    request = Request(RequestId(request_id), prompt, max_tokens, stop_token_ids=frozenset(),
-                      cache_salt=f"tenant-{tenant}")
-    async for event in engine.submit(request):
-        if not ttft:
-            ttft = time.perf_counter() - started
-        last = event
-    assert last is not None and last.finish_reason == "length", last
-    return Outcome(ttft, last.num_prompt_tokens, last.num_cached_tokens, last.num_output_tokens)
-
-
 async def run_round(engine: Engine, workload: TenantWorkload, index: int, concurrency: int
                     ) -> tuple[list[Outcome], float]:
     sends = workload.rounds[index]
@@ -85,8 +63,8 @@ async def run_round(engine: Engine, workload: TenantWorkload, index: int, concur
     async def client() -> None:
         for i in next_index:
             tenant, question = sends[i]
-            outcomes[i] = await one_request(engine, f"r{index}-{i}", tenant, workload.systems[tenant] + question,
-                                            workload.max_tokens)
+            outcomes[i] = await one_request(engine, f"r{index}-{i}", workload.systems[tenant] + question,
+                                            workload.max_tokens, cache_salt=f"tenant-{tenant}")
 
     started = time.perf_counter()
     await asyncio.gather(*(client() for _ in range(concurrency)))

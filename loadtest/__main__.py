@@ -10,14 +10,10 @@ import asyncio
 import sys
 from pathlib import Path
 
-import httpx
-
-from loadtest.client import is_loopback_url
-from loadtest.commands import LONG_RUNS, run_long
+from loadtest.commands import LONG_RUNS, refuses_url, run_long, run_or_explain, tenants_of
 from loadtest.plots import write_plots
 from loadtest.report import build_report, write_report
-from loadtest.scenarios import MAX_DURATION_S, MAX_REQUESTS, SCENARIOS, RunConfig, run_scenario
-from loadtest.workload import ANONYMOUS, LoadTenantsError, load_admin_key, load_tenants
+from loadtest.scenarios import MAX_DURATION_S, MAX_REQUESTS, SCENARIOS, RunConfig, RunResult, run_scenario
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 
@@ -44,28 +40,24 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def _run(args: argparse.Namespace) -> RunResult:
+    tenants, admin_key = tenants_of(args.tenants)
+    config = RunConfig(args.scenario, args.url.rstrip("/"), args.duration, args.rate, args.max_requests, args.seed,
+                       tenants, args.backlog, args.batch_items, args.request_timeout, args.drain_timeout,
+                       args.settle_timeout, admin_key)
+    config.check()
+    return asyncio.run(run_scenario(config))
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] in LONG_RUNS:
         return run_long(argv)
     args = parser().parse_args(argv)
-    if not is_loopback_url(args.url) and not args.allow_remote:
-        print(f"error: {args.url} is not a loopback address; pass --allow-remote to load another machine",
-              file=sys.stderr)
+    if refuses_url(args.url, args.allow_remote):
         return 2
-    try:
-        tenants = load_tenants(args.tenants) if args.tenants else (ANONYMOUS,)
-        admin_key = load_admin_key(args.tenants) if args.tenants else None
-        config = RunConfig(args.scenario, args.url.rstrip("/"), args.duration, args.rate, args.max_requests,
-                           args.seed, tenants, args.backlog, args.batch_items, args.request_timeout,
-                           args.drain_timeout, args.settle_timeout, admin_key)
-        config.check()
-        result = asyncio.run(run_scenario(config))
-    except (LoadTenantsError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except httpx.HTTPError as exc:
-        print(f"error: cannot use the server at {args.url}: {exc!r}", file=sys.stderr)
+    result = run_or_explain(args.url, lambda: _run(args))
+    if result is None:
         return 2
     out_dir = Path(args.out or f"data/loadtest/{args.scenario}")
     report = build_report(result)

@@ -6,7 +6,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, TypeVar
 
 import httpx
 
@@ -20,6 +22,7 @@ from loadtest.workload import ANONYMOUS, LoadTenant, LoadTenantsError, load_admi
 DEFAULT_URL = "http://127.0.0.1:8000"
 MIB = 1024 * 1024
 LONG_RUNS = ("soak", "overload")
+T = TypeVar("T")
 
 
 def _common(p: argparse.ArgumentParser, name: str) -> None:
@@ -56,38 +59,58 @@ def overload_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _tenants(path: str | None) -> tuple[tuple[LoadTenant, ...], str | None]:
+def tenants_of(path: str | None) -> tuple[tuple[LoadTenant, ...], str | None]:
+    """The tenants file's tenants and admin key; one anonymous tenant and no key without a file."""
     return (load_tenants(path), load_admin_key(path)) if path else ((ANONYMOUS,), None)
+
+
+def refuses_url(url: str, allow_remote: bool) -> bool:
+    """True, saying why, for a URL not on this machine unless remote runs are allowed."""
+    if is_loopback_url(url) or allow_remote:
+        return False
+    print(f"error: {url} is not a loopback address; pass --allow-remote to load another machine", file=sys.stderr)
+    return True
+
+
+def run_or_explain(url: str, run: Callable[[], T]) -> T | None:
+    """run(), or None after saying why it was refused: a bad tenants file or flag, or a server it cannot use."""
+    try:
+        return run()
+    except (LoadTenantsError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+    except httpx.HTTPError as exc:
+        print(f"error: cannot use the server at {url}: {exc!r}", file=sys.stderr)
+    return None
+
+
+def _soak(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+    tenants, admin_key = tenants_of(args.tenants)
+    config = SoakConfig(args.url.rstrip("/"), args.minutes, args.clients, args.think, args.warmup, args.sample,
+                        args.window, args.seed, tenants, admin_key, args.pid,
+                        rss_margin_bytes=int(args.rss_margin_mib * MIB))
+    report = build_soak_report(asyncio.run(run_soak(config)))
+    return report, write_soak_report(report, Path(args.out))
+
+
+def _overload(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+    tenants, _ = tenants_of(args.tenants)
+    config = OverloadConfig(args.url.rstrip("/"), args.capacity_clients, args.factor, args.capacity_seconds,
+                            args.surge_seconds, args.batch_share, recovery_timeout_s=args.recovery_timeout,
+                            seed=args.seed, tenants=tenants)
+    report = build_overload_report(asyncio.run(run_overload(config)))
+    return report, write_overload_report(report, Path(args.out))
 
 
 def run_long(argv: list[str]) -> int:
     """argv starts with the run's name (one of LONG_RUNS)."""
     name, rest = argv[0], argv[1:]
     args = (soak_parser() if name == "soak" else overload_parser()).parse_args(rest)
-    if not is_loopback_url(args.url) and not args.allow_remote:
-        print(f"error: {args.url} is not a loopback address; pass --allow-remote to load another machine",
-              file=sys.stderr)
+    if refuses_url(args.url, args.allow_remote):
         return 2
-    try:
-        tenants, admin_key = _tenants(args.tenants)
-        if name == "soak":
-            config = SoakConfig(args.url.rstrip("/"), args.minutes, args.clients, args.think, args.warmup,
-                                args.sample, args.window, args.seed, tenants, admin_key, args.pid,
-                                rss_margin_bytes=int(args.rss_margin_mib * MIB))
-            report = build_soak_report(asyncio.run(run_soak(config)))
-            summary = write_soak_report(report, Path(args.out))
-        else:
-            overload = OverloadConfig(args.url.rstrip("/"), args.capacity_clients, args.factor, args.capacity_seconds,
-                                      args.surge_seconds, args.batch_share, recovery_timeout_s=args.recovery_timeout,
-                                      seed=args.seed, tenants=tenants)
-            report = build_overload_report(asyncio.run(run_overload(overload)))
-            summary = write_overload_report(report, Path(args.out))
-    except (LoadTenantsError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+    done = run_or_explain(args.url, lambda: _soak(args) if name == "soak" else _overload(args))
+    if done is None:
         return 2
-    except httpx.HTTPError as exc:
-        print(f"error: cannot use the server at {args.url}: {exc!r}", file=sys.stderr)
-        return 2
+    report, summary = done
     print(summary, end="")
     print(f"wrote {args.out}/report.json, summary.md and plots")
     return 0 if report["passed"] else 1

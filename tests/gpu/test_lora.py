@@ -96,7 +96,8 @@ def test_tokens_of_different_adapters_mix_in_one_layer(adapters: dict[str, tuple
     mixed = layer(x)
     for row, slot in enumerate(token_slots.tolist()):
         slots.select(torch.tensor([slot]))
-        torch.testing.assert_close(mixed[row], layer(x[row:row + 1])[0], rtol=1e-5, atol=1e-6)
+        # A GEMM of six rows and one of a single row may sum in another order (AVX2 kernels do): 1e-6 apart.
+        torch.testing.assert_close(mixed[row], layer(x[row:row + 1])[0], rtol=1e-4, atol=1e-5)
 
 
 def test_a_cleared_slot_is_the_base_model(adapters: dict[str, tuple[Path, Any]]) -> None:

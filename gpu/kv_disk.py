@@ -74,14 +74,14 @@ class DiskStoreStats:
 
 @dataclass(slots=True, eq=False)
 class _Op:
-    """A queued write (`block` set) or delete (`block` None and not `dropped`). A write's block is a
-    private copy, or while `lent_slot` is set the caller's own memory, lent until the writer copies it
-    or the caller reclaims it. A dropped write keeps its place in the queue and does nothing."""
+    """A queued write (`block` set) or delete (`block` None). A write's block is a private copy, or
+    while `lent_slot` is set the caller's own memory, lent until the writer copies it or the caller
+    reclaims it. A write dropped in the queue becomes a delete: its hash is reported lost, so the block
+    is off the caller's index, and no file of it may stay."""
 
     block_hash: bytes
     block: torch.Tensor | None
     lent_slot: int | None = None
-    dropped: bool = False
 
 
 def config_digest(config: Mapping[str, str | int], block_shape: tuple[int, ...], dtype: torch.dtype) -> bytes:
@@ -253,7 +253,7 @@ class DiskBlockStore:
                     op.block = self._private_copy(op.block)
                     self._pending_bytes += self._block_nbytes
                 else:
-                    op.block, op.dropped = None, True
+                    op.block = None
                     self._drop(op.block_hash)
 
     def delete(self, block_hash: bytes) -> None:
@@ -440,7 +440,7 @@ class DiskBlockStore:
         while (op := self._next_op()) is not None:
             if op.block is not None:
                 self._write_block(op.block_hash, op.block)
-            elif not op.dropped:
+            else:
                 self._delete_file(op.block_hash)
             self._finish(op)
 

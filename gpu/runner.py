@@ -192,8 +192,7 @@ class ModelRunner:
         Device blocks are written down before anything of the step may overwrite them, and copied up
         before the forward reads them."""
         if self.disk is not None:  # host blocks lent to queued disk writes are taken back before reuse
-            self.disk.reclaim(host_block for _, host_block in copies.offloads)
-            self.disk.reclaim(host_block for _, host_block in copies.disk_reads)
+            self.disk.reclaim([host for _, host in copies.offloads] + [host for _, host in copies.disk_reads])
         self.cache.offload(copies.offloads)
         failed: list[bytes] = []
         if self.disk is not None:

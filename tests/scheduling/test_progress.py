@@ -8,11 +8,9 @@ work in it less time than one batch decode costs.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import pytest
 
-from benchmarks.fake_executors import FakeExecutor
+from benchmarks.fake_executors import FakeExecutor, LinearStepCost
 from contract.plan import StepPlan
 from scheduling.request import PriorityClass, Request
 from scheduling.scheduler import Scheduler, SchedulerConfig
@@ -26,15 +24,8 @@ BLOCK_SIZE = 16
 MAX_STEPS = 2000
 
 
-@dataclass(slots=True, frozen=True)
-class CpuLikeCost:
-    """10 ms a step and 2 ms a token: one batch decode (2 ms) costs more than a tenth of an empty step."""
-
-    fixed_s: float = 0.010
-    per_token_s: float = 0.002
-
-    def seconds(self, plan: StepPlan) -> float:
-        return self.fixed_s + self.per_token_s * plan.num_tokens if plan.sequences else 0.0
+# A CPU's costs: 10 ms a step and 2 ms a token, so one batch decode (2 ms) costs more than a tenth of an empty step.
+CPU_LIKE_COST = LinearStepCost(overhead_s=0.010, per_token_s=0.002)
 
 
 class Run:
@@ -46,7 +37,7 @@ class Run:
         self.scheduler: Scheduler = make_scheduler(config, num_device_blocks=num_device_blocks,
                                                    num_cpu_blocks=num_cpu_blocks, block_size=BLOCK_SIZE,
                                                    tenants=tenants)
-        self.executor = FakeExecutor(self.scheduler.geometry, CpuLikeCost())
+        self.executor = FakeExecutor(self.scheduler.geometry, CPU_LIKE_COST)
         self.num_empty_steps = 0  # steps that computed nothing while requests were unfinished
 
     def submit(self, tenant: str, priority: PriorityClass, prompt: int, max_tokens: int) -> Request:

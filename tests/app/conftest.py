@@ -109,9 +109,13 @@ class ServerThread:
         return asyncio.run_coroutine_threadsafe(read(), self.server.loop).result(timeout=10)
 
 
+# The test servers' databases, all under one folder removed when the test process ends.
+_DATABASES = tempfile.TemporaryDirectory(prefix="fairlane-test-dbs-")
+
+
 def fresh_db_path() -> str:
     """Each test server keeps its batches to itself: a runner works on every batch in its database."""
-    return str(Path(tempfile.mkdtemp(prefix="fairlane-test-")) / "batches.db")
+    return str(Path(tempfile.mkdtemp(dir=_DATABASES.name)) / "batches.db")
 
 
 def tiny_context(loaded: LoadedModel, **overrides: Any) -> ServingContext:

@@ -4,7 +4,8 @@ A running request pins its adapter's slot; a slot nobody pins stays resident (a 
 that adapter needs no load) until a request of another adapter needs a slot and none is free: the
 least recently used unpinned slot is then reused. The allocator reports, the policy decides:
 `can_acquire` says whether a request could get a slot now, and a request that cannot waits in its
-queue, as one waits for KV blocks, while the others run.
+queue, as one waits for KV blocks, while the others run (an interactive request does not wait on batch
+work: the batch requests pinning a slot give way, see scheduling/interactive_room.py).
 
 What must stay true: a pinned slot is never reused, so a step never overwrites the adapter of a
 sequence it runs.
@@ -39,9 +40,25 @@ class LoraResidency:
     def slot_of(self, adapter: LoraRef) -> int | None:
         return self._slot_of.get(adapter)
 
-    def can_acquire(self, adapter: LoraRef | None) -> bool:
-        """Whether a request of this adapter (None: the base model) could run now."""
-        return adapter is None or adapter in self._slot_of or bool(self._unpinned)
+    def can_acquire(self, adapter: LoraRef | None, keep_unpinned: int = 0) -> bool:
+        """Whether a request of this adapter (None: the base model) could run now and leave at least
+        `keep_unpinned` slots unpinned (held for others): sharing a pinned slot takes none."""
+        if adapter is None or self.is_pinned(adapter):
+            return True
+        return len(self._unpinned) > keep_unpinned
+
+    def is_pinned(self, adapter: LoraRef) -> bool:
+        """Whether the adapter sits in a slot a running request pins: another request of it shares that slot."""
+        slot = self._slot_of.get(adapter)
+        return slot is not None and self._pins[slot] > 0
+
+    @property
+    def num_unpinned(self) -> int:
+        return len(self._unpinned)
+
+    def pinned_slots(self) -> dict[int, int]:
+        """Each slot running requests pin, and how many of them."""
+        return {slot: pins for slot, pins in enumerate(self._pins) if pins}
 
     def resident(self) -> list[LoraRef | None]:
         """Each slot's adapter, or None for an empty slot."""

@@ -2,7 +2,8 @@
 
 Counters, not phases: each request's `num_computed_tokens` catches up to `num_tokens`. A step is
 built in phases, each within one token budget and one sequence cap:
-  1. make room: if interactive requests wait for blocks or slots, preempt running batch requests;
+  1. make room: if interactive requests wait for blocks, sequence slots, LoRA slots or their tenant's
+     max_concurrent, preempt running batch requests;
   2. running requests: interactive before batch, decodes before prefill chunks;
   3. swapped-in and newly admitted requests: interactive first, batch only when no interactive waits.
 While interactive requests are active, batch work also has to fit the step's time budget (step
@@ -22,6 +23,7 @@ from contract.plan import BASE_MODEL_SLOT, CacheGeometry, StepPlan, StepResult, 
 from scheduling.block_manager import KVBlockManager
 from scheduling.cache_pins import CachePins
 from scheduling.cache_tiers import LowerTiers
+from scheduling.interactive_room import NOTHING_OWED, RoomCount, RoomOwed, room_owed, waits_for_room
 from scheduling.lora_residency import LoraResidency
 from scheduling.preemption import PreemptionEvent, PreemptionMode, choose_victim, victims_in_order
 from scheduling.queue import RequestQueue, create_request_queue
@@ -84,6 +86,7 @@ class InteractiveDemand:
 
     tokens: int = 0
     work: StepWork = field(default_factory=StepWork)
+    requests: list[Request] = field(default_factory=list)  # those counted: lower classes leave them their room
 
 
 class AdmissionError(ValueError):
@@ -188,7 +191,7 @@ class Scheduler:
         # Room made for interactive requests is theirs in this very plan (the runner swaps out before
         # the forward); batch work waits for the next step. What must stay true: every swap-out of a
         # plan is decided before any swap-in, so no CPU block is freed and reused within one plan.
-        self._resume_and_admit(step, (PriorityClass.INTERACTIVE,) if made_room else CLASSES)
+        self._resume_and_admit(step, (PriorityClass.INTERACTIVE,) if made_room else CLASSES, interactive_demand)
 
     def _batch_reserve(self) -> int:
         """batch_min_share's tokens while any batch request is unfinished (waiting, running or swapped)."""
@@ -196,35 +199,57 @@ class Scheduler:
         return int(self.config.batch_min_share * self.config.max_num_batched_tokens) if has_batch else 0
 
     def _make_room_for_interactive(self, plan: StepPlan, budget: int) -> tuple[bool, InteractiveDemand]:
-        """Preempt running batch requests until the interactive requests that fit this step's
-        budget have the blocks and slots they need. Returns whether any was preempted, and the
-        tokens those interactive requests will take (running batch work leaves them free).
-        Requests their tenant's limits hold back are not counted: making room for them would only
-        swap batch work out and back in."""
-        blocks_needed, slots_needed, demand = 0, 0, InteractiveDemand()
-        if not self.load.num_running(PriorityClass.BATCH) and not self._may_shape():
-            return False, demand  # no batch work to preempt or to hold back: nobody reads the demand
-        for request in self._waiting_interactive_in_order():
-            if demand.tokens >= budget:
-                break
-            take = min(request.num_uncomputed_tokens, budget - demand.tokens)
-            if request.status is RequestStatus.WAITING and self.limits.holds_back(request, take):
-                continue
-            swapped_blocks = self.blocks.num_cpu_blocks(request.request_id)
-            blocks_needed += swapped_blocks + 1 if swapped_blocks else self.blocks.blocks_needed(request, take)
-            slots_needed += 1
-            demand.tokens += take
-            self.shaper.add_demand(demand.work, take, request.num_computed_tokens)
+        """Preempt running batch requests until the interactive requests that fit this step's budget have
+        the LoRA slots, the room under their tenants' max_concurrent, the blocks and the sequence slots
+        they need. Returns whether any was preempted, and what those interactive requests will take of the
+        step (running batch work leaves them its tokens, lower classes their room)."""
+        if not self.load.has_unfinished(PriorityClass.BATCH) and not self._may_shape():
+            return False, InteractiveDemand()  # no batch work to preempt, hold back or keep out: nobody reads it
+        room = RoomCount(self.lora, self.load, self.running)
+        demand, blocks_needed = self._count_interactive_demand(budget, room)
+        preempted = self._give_way(room.lora_victims(), plan)
+        preempted = self._give_way(room.concurrency_victims(), plan) or preempted
         victims: Iterator[Request] | None = None
-        preempted = False
-        while slots_needed and self.load.num_running(PriorityClass.BATCH) and (
+        while demand.requests and self.load.num_running(PriorityClass.BATCH) and (
                 blocks_needed > self.blocks.device.num_free
-                or len(self.running) + slots_needed > self.config.max_num_seqs):
+                or len(self.running) + len(demand.requests) > self.config.max_num_seqs):
             if victims is None:  # choose_victim's order, sorted once for a burst of preemptions
                 victims = iter(victims_in_order(r for r in self.running if r.priority is PriorityClass.BATCH))
             self._preempt(next(victims), plan, PriorityClass.INTERACTIVE)
             preempted = True
         return preempted, demand
+
+    def _count_interactive_demand(self, budget: int, room: RoomCount) -> tuple[InteractiveDemand, int]:
+        """The waiting interactive requests that fit this step's budget and could start once running batch
+        work gives way, in the order the step starts them, and the device blocks they need. Not counted
+        (making room for them would only swap batch work out and back in): a request its tenant's KV share
+        holds back, one whose LoRA slot or max_concurrent room only interactive work could give, and, as
+        admission passes over a tenant for the step, a waiting request behind one of its tenant's not counted."""
+        demand, blocks_needed = InteractiveDemand(), 0
+        passed_over: set[str] = set()
+        for request in self._waiting_interactive_in_order():
+            if demand.tokens >= budget:
+                break
+            take = min(request.num_uncomputed_tokens, budget - demand.tokens)
+            is_waiting = request.status is RequestStatus.WAITING
+            held_back = is_waiting and (request.tenant_id in passed_over or self.limits.over_kv_share(request, take))
+            if held_back or not room.has_room(request):
+                if is_waiting:
+                    passed_over.add(request.tenant_id)  # as admission passes its tenant over for the step
+                continue
+            room.add(request)
+            demand.requests.append(request)
+            swapped_blocks = self.blocks.num_cpu_blocks(request.request_id)
+            blocks_needed += swapped_blocks + 1 if swapped_blocks else self.blocks.blocks_needed(request, take)
+            demand.tokens += take
+            self.shaper.add_demand(demand.work, take, request.num_computed_tokens)
+        return demand, blocks_needed
+
+    def _give_way(self, victims: list[Request], plan: StepPlan) -> bool:
+        """Preempt these batch requests for interactive work; whether there were any."""
+        for victim in victims:
+            self._preempt(victim, plan, PriorityClass.INTERACTIVE)
+        return bool(victims)
 
     def _waiting_interactive_in_order(self) -> Iterable[Request]:
         yield from (r for r in self.swapped if r.priority is PriorityClass.INTERACTIVE)
@@ -349,21 +374,25 @@ class Scheduler:
                 ordered += [r for r in requests if len(r.token_ids) - r.num_computed_tokens != 1]
         return ordered, num_interactive_decodes
 
-    def _resume_and_admit(self, step: StepBuilder, classes: Iterable[PriorityClass]) -> None:
+    def _resume_and_admit(self, step: StepBuilder, classes: Iterable[PriorityClass],
+                          interactive_demand: InteractiveDemand) -> None:
+        owed = NOTHING_OWED
         for priority in classes:
-            if not self._resume_swapped(step, priority):
+            if not self._resume_swapped(step, priority, owed):
                 return
-            if not self._admit_waiting(step, priority):
+            if not self._admit_waiting(step, priority, owed):
                 return  # requests of this class still wait: lower classes do not jump ahead
+            owed = room_owed(interactive_demand.requests)  # room was made for them: lower classes leave it
 
-    def _resume_swapped(self, step: StepBuilder, priority: PriorityClass) -> bool:
-        """Swap requests of this class back in, oldest preemption first. False if some must wait."""
+    def _resume_swapped(self, step: StepBuilder, priority: PriorityClass, owed: RoomOwed) -> bool:
+        """Swap requests of this class back in, oldest preemption first, leaving what is `owed` to waiting
+        interactive requests. False if some must wait."""
         for request in [r for r in self.swapped if r.priority is priority]:
             if len(self.running) >= self.config.max_num_seqs or step.tokens_left <= 0:
                 return False
             num_new = min(request.num_uncomputed_tokens, step.tokens_left)
-            if not self.lora.can_acquire(request.adapter):
-                continue  # every slot is pinned by running requests of other adapters: wait for one
+            if waits_for_room(request, self.lora, self.load, owed):
+                continue  # for a LoRA slot or room under its tenant's max_concurrent: swapped, it holds neither
             if not self.blocks.can_swap_in(request, num_new):
                 return False
             num_new = self._shaped(step, request, num_new, InteractiveDemand(),
@@ -379,8 +408,9 @@ class Scheduler:
             step.add(request, num_new)
         return True
 
-    def _admit_waiting(self, step: StepBuilder, priority: PriorityClass) -> bool:
-        """Admit in queue order (VTC across tenants). False if requests of this class still wait."""
+    def _admit_waiting(self, step: StepBuilder, priority: PriorityClass, owed: RoomOwed) -> bool:
+        """Admit in queue order (VTC across tenants), leaving what is `owed` to waiting interactive requests.
+        False if requests of this class still wait."""
         queue = self.waiting[priority]
         passed_over: set[str] = set()
         with queue.passing_over():
@@ -391,7 +421,7 @@ class Scheduler:
                 if len(self.running) >= self.config.max_num_seqs or step.tokens_left <= 0:
                     return False
                 if (self.limits.holds_back(request, min(request.num_uncomputed_tokens, step.tokens_left))
-                        or not self.lora.can_acquire(request.adapter)  # waits for a LoRA slot as for blocks
+                        or waits_for_room(request, self.lora, self.load, owed)  # a LoRA slot, as for blocks
                         or self.blocks.read_from_disk(request)):  # admitted once its cached blocks are read
                     passed_over.add(request.tenant_id)
                     continue

@@ -84,10 +84,10 @@ class StepShaper:
             return
         interactive = combined(work_of(step.plan, swaps=False), interactive_demand, len(step.plan.swap_out))
         if not interactive.sequences and opened_for is PriorityClass.BATCH:
-            # Only batch work is coming: the unfinished interactive requests all wait on something else,
-            # maybe on this very batch work (their tenant's limits). There is nothing to protect, and a
-            # budget could leave batch no token at all (a derived target is 1.1x an empty step's fixed
-            # cost, a fixed one may be below it): nothing would ever move.
+            # Only batch work is coming: the unfinished interactive requests all wait on something else
+            # (their KV share, say). There is nothing to protect, and a budget could leave batch no token
+            # at all (a derived target is 1.1x an empty step's fixed cost, a fixed one may be below it):
+            # nothing would ever move.
             return
         predicted = coefficients.predict(interactive)
         step.shaped_time_left_s = max(0.0, self._target_s(predicted) - predicted)

@@ -19,6 +19,7 @@ class TenantLoad:
         self._unfinished_by_tenant: Counter[str] = Counter()
         self._running_by_tenant: Counter[str] = Counter()
         self._running_by_class: Counter[PriorityClass] = Counter()
+        self._running: Counter[tuple[PriorityClass, str]] = Counter()  # per class and tenant
         # Per class: the weights of the tenants with unfinished requests of that class or a higher one, summed.
         self._active_weight_from: dict[PriorityClass, float] = dict.fromkeys(PriorityClass, 0.0)
 
@@ -49,10 +50,12 @@ class TenantLoad:
     def started_running(self, request: Request) -> None:
         self._running_by_tenant[request.tenant_id] += 1
         self._running_by_class[request.priority] += 1
+        self._running[request.priority, request.tenant_id] += 1
 
     def stopped_running(self, request: Request) -> None:
         self._running_by_tenant[request.tenant_id] -= 1
         self._running_by_class[request.priority] -= 1
+        self._running[request.priority, request.tenant_id] -= 1
 
     def _count_tenant(self, tenant_id: str, change: int) -> None:
         self._unfinished_by_tenant[tenant_id] += change
@@ -86,6 +89,23 @@ class TenantLoad:
         """Tenants with an unfinished request of either class."""
         return len(self._unfinished_by_tenant)
 
-    def at_max_concurrent(self, tenant_id: str) -> bool:
+    def at_max_concurrent(self, tenant_id: str, num_reserved: int = 0) -> bool:
+        """Whether the tenant runs as many requests as its max_concurrent allows, with `num_reserved` more
+        counted as running. Only running requests count: a swapped or waiting one holds no room."""
         limit = self._max_concurrent.get(tenant_id)
-        return limit is not None and self._running_by_tenant[tenant_id] >= limit
+        return limit is not None and self._running_by_tenant[tenant_id] + num_reserved >= limit
+
+    def num_may_start(self, tenant_id: str, priority: PriorityClass) -> int | None:
+        """How many more requests the tenant could run under its max_concurrent if its running requests
+        of lower classes than `priority` gave way; None when it has no max_concurrent."""
+        limit = self._max_concurrent.get(tenant_id)
+        if limit is None:
+            return None
+        num_kept = sum(self._running[p, tenant_id] for p in PriorityClass if p.rank <= priority.rank)
+        return max(0, limit - num_kept)
+
+    def num_over_max_concurrent(self, tenant_id: str, num_more: int) -> int:
+        """How many of the tenant's running requests must stop for `num_more` others to start within its
+        max_concurrent (0 when it has none)."""
+        limit = self._max_concurrent.get(tenant_id)
+        return 0 if limit is None else max(0, self._running_by_tenant[tenant_id] + num_more - limit)

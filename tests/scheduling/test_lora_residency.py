@@ -76,6 +76,19 @@ def test_a_slot_in_use_is_never_evicted() -> None:
         residency.release(taken.slot)
 
 
+def test_residency_says_which_slots_are_pinned_and_keeps_slots_unpinned_when_asked() -> None:
+    residency = LoraResidency(2)
+    grant = residency.acquire(A)
+    assert grant is not None
+    assert residency.is_pinned(A) and not residency.is_pinned(B) and residency.num_unpinned == 1
+    assert residency.pinned_slots() == {grant.slot: 1}
+    assert residency.can_acquire(A, keep_unpinned=1)  # sharing its pinned slot takes no unpinned one
+    assert residency.can_acquire(B) and not residency.can_acquire(B, keep_unpinned=1)
+    residency.release(grant.slot)
+    assert not residency.is_pinned(A) and residency.pinned_slots() == {} and residency.num_unpinned == 2
+    assert residency.can_acquire(A, keep_unpinned=1) and not residency.can_acquire(A, keep_unpinned=2)
+
+
 def test_the_plan_loads_each_adapter_once_and_gives_every_sequence_its_slot() -> None:
     scheduler, executor = lora_scheduler(max_loras=2)
     requests = [on(A), on(B), on(None), on(A)]

@@ -12,7 +12,7 @@ import pytest
 
 from benchmarks.fake_executors import FakeExecutor, LinearStepCost
 from contract.plan import StepPlan
-from scheduling.request import PriorityClass, Request
+from scheduling.request import PriorityClass, Request, RequestStatus
 from scheduling.scheduler import Scheduler, SchedulerConfig
 from scheduling.step_shaper import ShapingConfig
 from scheduling.tenant_load import TenantLoad
@@ -104,16 +104,18 @@ def test_an_interactive_request_is_not_held_back_by_batch_work_of_either_tenant(
     ShapingConfig(),  # derived: 1.1x an empty step's fixed cost leaves batch less than one decode
     ShapingConfig(interactive_itl_target_s=0.005),  # fixed, below the fixed cost of any step: no time at all
 ], ids=["derived-target", "unmeetable-fixed-target"])
-def test_an_interactive_request_held_back_by_max_concurrent_does_not_freeze_its_tenants_batch_work(
+def test_an_interactive_request_at_its_tenants_max_concurrent_neither_waits_nor_freezes_its_batch_work(
         shaping: ShapingConfig) -> None:
-    """bob may run one request at a time and runs a batch one; its interactive request waits for that one
-    to end (max_concurrent). No interactive work is in the steps meanwhile, so shaping must not hold the
-    batch request back for the interactive one that waits on it."""
+    """bob may run one request at a time and runs a batch one; his interactive request does not wait for
+    that one to end: the batch request gives way (scheduling/interactive_room.py), and resumes once the
+    interactive one has ended. Under either target, shaping holds neither back and no step is empty."""
     run = Run(two_tenants(bob=TenantLimits(max_concurrent=1)), num_device_blocks=64, shaping=shaping)
     run.warm_up("alice")
     bob_batch = run.submit("bob", BATCH, 4 * BLOCK_SIZE, 64)
     run.step()
     bob_chat = run.submit("bob", INTERACTIVE, 2 * BLOCK_SIZE, 16)
+    run.step()
+    assert bob_chat.status is RequestStatus.RUNNING and bob_batch.num_preemptions == 1  # started at once
     steps = run.steps_until_finished([bob_chat, bob_batch])
 
     assert run.num_empty_steps == 0

@@ -6,6 +6,12 @@ Systems, each on a fresh model instance with the same weights, dtype and device:
 - `hf_continuous`: transformers' own continuous batching manager, given the same KV budget,
   token budget and sequence cap as the engine.
 
+The baselines get the engine's compile mode (`--hf-compile same`, the default) where transformers
+can compile: `generate` compiles its decode forward over a static cache, the continuous batching
+manager its varlen and decode forwards, both through inductor with the engine's options. A compiled
+baseline runs the whole workload once before the clock starts, so no compilation is timed; the
+engine compiles at start-up.
+
 Every request generates exactly its own output length (end-of-sequence never stops it), and only
 those tokens count; a static batch runs to its longest member and the extra tokens are not counted.
 By default each system runs in its own spawned process so its peak RSS is its own.
@@ -40,6 +46,7 @@ from benchmarks.common import (
     peak_rss_bytes,
 )
 from config.settings import Settings
+from gpu.compiled import INDUCTOR_OPTIONS, CompileMode
 from gpu.runner import kv_shape_of
 from loadtest.bench_output import format_table, write_report
 from scheduling.request import Request, RequestId
@@ -57,6 +64,7 @@ class EngineBenchOptions:
     static_batch_size: int = 16
     isolate: bool = True  # one spawned process per system
     num_threads: int | None = None  # torch intra-op threads in each system; None keeps torch's default
+    hf_compile: CompileMode = "eager"  # how the Hugging Face baselines run (inductor options as the engine's)
 
 
 # ---- the systems ---------------------------------------------------------------------------------
@@ -73,9 +81,9 @@ def run_system(name: str, options: EngineBenchOptions) -> SystemResult:
     if name == "fairlane":
         return _run_fairlane(options.settings, loaded, workload)
     if name == "hf_static":
-        return _run_hf_static(loaded, workload, options.static_batch_size)
+        return _run_hf_static(loaded, workload, options.static_batch_size, options.hf_compile)
     if name == "hf_continuous":
-        return _run_hf_continuous(options.settings, loaded, workload)
+        return _run_hf_continuous(options.settings, loaded, workload, options.hf_compile)
     raise ValueError(f"unknown system '{name}'; choose from {', '.join(SYSTEMS)}")
 
 
@@ -125,32 +133,65 @@ def _pad_token_id(model: Any) -> int:
     return 0
 
 
-def _run_hf_static(loaded: Any, workload: list[BenchRequest], batch_size: int) -> SystemResult:
+def _hf_compile_config(mode: CompileMode, *, dynamic: bool | None) -> Any:
+    """transformers' CompileConfig with the engine's inductor options for the mode; None when eager."""
+    from transformers import CompileConfig
+
+    options = INDUCTOR_OPTIONS[mode]
+    if options is None:
+        return None
+    config = CompileConfig(fullgraph=False, dynamic=dynamic, mode=None, options=dict(options))  # type: ignore[arg-type]
+    config._compile_all_devices = True  # transformers compiles only on accelerators unless told to
+    return config
+
+
+def _run_hf_static(loaded: Any, workload: list[BenchRequest], batch_size: int,
+                   compile_mode: CompileMode = "eager") -> SystemResult:
+    """Static batches through `generate`. Compiled, the decode forward runs over one static cache sized for
+    the workload's longest request and reset between batches, so every full batch has the same shapes and
+    inductor compiles it once."""
     import torch
+    from transformers import StaticCache
 
     model, pad = loaded.model, _pad_token_id(loaded.model)
     model.generation_config.eos_token_id = None  # this instance is ours: no token ends a row early
+    compile_config = _hf_compile_config(compile_mode, dynamic=None)
+    cache = None
+    if compile_config is not None:
+        model.generation_config.compile_config = compile_config
+        longest = max(len(r.prompt_token_ids) for r in workload) + max(r.num_output_tokens for r in workload)
+        cache = StaticCache(config=model.config, max_cache_len=longest)
 
     def generate(batch: Sequence[BenchRequest]) -> list[list[int]]:
         width = max(len(r.prompt_token_ids) for r in batch)
         ids = [[pad] * (width - len(r.prompt_token_ids)) + r.prompt_token_ids for r in batch]
         mask = [[0] * (width - len(r.prompt_token_ids)) + [1] * len(r.prompt_token_ids) for r in batch]
         with torch.inference_mode():
+            if cache is not None:
+                cache.reset()  # its tensors were made in inference mode: they change only there
             out = model.generate(
                 input_ids=torch.tensor(ids, device=loaded.device),
-                attention_mask=torch.tensor(mask, device=loaded.device),
+                attention_mask=torch.tensor(mask, device=loaded.device), past_key_values=cache,
                 max_new_tokens=max(r.num_output_tokens for r in batch), do_sample=False, pad_token_id=pad)
         new = out[:, width:].tolist()
         return [row[: r.num_output_tokens] for row, r in zip(new, batch, strict=True)]
 
-    generate([WARMUP])
-    started = time.perf_counter()
-    outputs: list[list[int]] = []
-    for start in range(0, len(workload), batch_size):
-        outputs.extend(generate(workload[start:start + batch_size]))
-    wall = time.perf_counter() - started
+    def generate_all() -> list[list[int]]:
+        outputs: list[list[int]] = []
+        for start in range(0, len(workload), batch_size):
+            outputs.extend(generate(workload[start:start + batch_size]))
+        return outputs
+
+    warmup_seconds = _timed(generate_all if compile_config is not None else lambda: generate([WARMUP]))[1]
+    outputs, wall = _timed(generate_all)
     return SystemResult("hf_static", wall, count_requested_tokens(outputs, workload), peak_rss_bytes(),
-                        outputs, {"batch_size": batch_size})
+                        outputs, {"batch_size": batch_size, "compile": compile_mode, "warmup_seconds": warmup_seconds})
+
+
+def _timed(run: Any) -> tuple[Any, float]:
+    started = time.perf_counter()
+    result = run()
+    return result, time.perf_counter() - started
 
 
 # A fixed KV budget rather than a share of free memory: HF's continuous batching gets the same bytes,
@@ -158,34 +199,40 @@ def _run_hf_static(loaded: Any, workload: list[BenchRequest], batch_size: int) -
 BENCH_KV_CACHE_BYTES = 256 * MiB
 
 
-def _run_hf_continuous(settings: Settings, loaded: Any, workload: list[BenchRequest]) -> SystemResult:
+def _run_hf_continuous(settings: Settings, loaded: Any, workload: list[BenchRequest],
+                       compile_mode: CompileMode = "eager") -> SystemResult:
     """transformers' manager with the engine's budgets: its defaults would size the KV cache from free
     memory and build attention masks for 8192-token batches. It keeps its own page size (256 tokens),
-    which runs faster on the CPU than the engine's 16-token blocks; the KV bytes are the same."""
+    which runs faster on the CPU than the engine's 16-token blocks; the KV bytes are the same. Compiled,
+    its varlen and decode forwards get the engine's inductor options with dynamic shapes, as its own
+    default compile levels choose."""
     from transformers import ContinuousBatchingConfig, GenerationConfig
 
     page_size = ContinuousBatchingConfig().page_size
     bytes_per_page = kv_shape_of(loaded, page_size).bytes_per_block
+    compile_config = _hf_compile_config(compile_mode, dynamic=True)
     cb_config = ContinuousBatchingConfig(
         page_size=page_size, num_blocks=max(1, (settings.kv_cache_bytes or BENCH_KV_CACHE_BYTES) // bytes_per_page),
         max_batch_tokens=settings.max_num_batched_tokens, max_requests_per_batch=settings.max_num_seqs,
-        allow_block_sharing=False, use_cuda_graph=False, seed=settings.seed)
+        allow_block_sharing=False, use_cuda_graph=False, seed=settings.seed,
+        varlen_compile_config=compile_config, decode_compile_config=compile_config)
     gen_config = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=_pad_token_id(loaded.model),
                                   max_new_tokens=max(r.num_output_tokens for r in workload))
     manager = loaded.model.init_continuous_batching(generation_config=gen_config,
                                                     continuous_batching_config=cb_config)
+    warmup = ({f"w{i}": req for i, req in enumerate(workload)} if compile_config is not None
+              else {"warmup": WARMUP})
     manager.start()
     try:
-        _collect(manager, {"warmup": WARMUP})
-        started = time.perf_counter()
-        results = _collect(manager, {f"r{i}": req for i, req in enumerate(workload)})
-        wall = time.perf_counter() - started
+        warmup_seconds = _timed(lambda: _collect(manager, warmup))[1]
+        results, wall = _timed(lambda: _collect(manager, {f"r{i}": req for i, req in enumerate(workload)}))
     finally:
         manager.stop(block=True)
         manager.destroy()
     outputs = [results[f"r{i}"] for i in range(len(workload))]
     return SystemResult("hf_continuous", wall, count_requested_tokens(outputs, workload), peak_rss_bytes(),
-                        outputs, {"page_size": page_size, "num_blocks": cb_config.num_blocks})
+                        outputs, {"page_size": page_size, "num_blocks": cb_config.num_blocks,
+                                  "compile": compile_mode, "warmup_seconds": warmup_seconds})
 
 
 def _collect(manager: Any, requests: dict[str, BenchRequest]) -> dict[str, list[int]]:
@@ -268,17 +315,19 @@ def _config_section(options: EngineBenchOptions) -> dict[str, Any]:
             "kv_cache_bytes": s.kv_cache_bytes, "max_num_seqs": s.max_num_seqs,
             "max_num_batched_tokens": s.max_num_batched_tokens, "static_batch_size": options.static_batch_size,
             "isolated_processes": options.isolate, "torch_threads": options.num_threads,
+            "compile_mode": s.compile_mode, "hf_compile": options.hf_compile,
             "cpu_count": os.cpu_count(), "torch": importlib.metadata.version("torch"),
             "transformers": importlib.metadata.version("transformers"),
             "machine": platform.machine(), "python": platform.python_version()}
 
 
 def render_table(report: dict[str, Any]) -> str:
-    rows = [["system", "tokens", "wall s", "tokens/s", "fairlane x", "peak RSS MiB"]]
+    rows = [["system", "compile", "tokens", "wall s", "tokens/s", "fairlane x", "peak RSS MiB"]]
     ours = report["systems"].get("fairlane")
     for name, data in report["systems"].items():
         ratio = ours["tokens_per_s"] / data["tokens_per_s"] if ours and data["tokens_per_s"] else None
-        rows.append([name, str(data["num_output_tokens"]), f"{data['wall_seconds']:.1f}",
+        compiled = report["config"]["compile_mode"] if name == "fairlane" else data.get("compile", "eager")
+        rows.append([name, compiled, str(data["num_output_tokens"]), f"{data['wall_seconds']:.1f}",
                      f"{data['tokens_per_s']:.1f}", "-" if ratio is None else f"{ratio:.2f}",
                      f"{data['peak_rss_mib']:.0f}"])
     lines = [format_table(rows)]
@@ -306,6 +355,9 @@ def add_command(subparsers: argparse._SubParsersAction[argparse.ArgumentParser])
                         help="output length range MIN:MAX (inclusive)")
     parser.add_argument("--threads", type=int,
                         help="torch intra-op threads in every system (default: torch's own choice)")
+    parser.add_argument("--hf-compile", choices=["same", *INDUCTOR_OPTIONS], default="same",
+                        help="how the Hugging Face baselines run: 'same' compiles them with the engine's --compile "
+                             "mode (their whole workload runs once untimed first); or a mode of their own")
     parser.add_argument("--in-process", action="store_true",
                         help="run every system in this process (faster start; RSS is then cumulative)")
     parser.add_argument("--out", help="write the JSON report here")
@@ -328,8 +380,10 @@ def options_from_args(args: argparse.Namespace) -> EngineBenchOptions:
     if unknown or not systems:
         raise SystemExit(f"fairlane bench engine: unknown systems {unknown}; choose from {', '.join(SYSTEMS)}")
     spec = WorkloadSpec(args.requests, args.seed, args.prompt_len, args.output_len)
-    return EngineBenchOptions(settings_from_args(args), spec, systems, args.static_batch_size,
-                              isolate=not args.in_process, num_threads=args.threads)
+    settings = settings_from_args(args)
+    hf_compile = settings.compile_mode if args.hf_compile == "same" else args.hf_compile
+    return EngineBenchOptions(settings, spec, systems, args.static_batch_size,
+                              isolate=not args.in_process, num_threads=args.threads, hf_compile=hf_compile)
 
 
 def run_command(args: argparse.Namespace) -> int:

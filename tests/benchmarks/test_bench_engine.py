@@ -20,7 +20,7 @@ def report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     code = main(["bench", "engine", "--model", "builtin:tiny", "--requests", "4", "--seed", "3",
                  "--prompt-len", "8:24", "--output-len", "4:12", "--static-batch-size", "2",
                  "--kv-cache-bytes", str(4 * 1024 * 1024), "--max-num-seqs", "4",
-                 "--max-num-batched-tokens", "64", "--in-process", "--out", str(out)])
+                 "--max-num-batched-tokens", "64", "--hf-compile", "eager", "--in-process", "--out", str(out)])
     assert code == 0
     data: dict[str, Any] = json.loads(Path(out).read_text())
     return data
@@ -63,3 +63,24 @@ def test_the_workload_is_fixed_by_its_seed() -> None:
 def test_an_unknown_system_is_refused_before_anything_runs() -> None:
     with pytest.raises(SystemExit, match="unknown systems"):
         main(["bench", "engine", "--model", "builtin:tiny", "--systems", "fairlane,vllm", "--in-process"])
+
+
+@pytest.mark.slow
+def test_compiled_baselines_run_through_inductor_and_still_agree(tmp_path: Path) -> None:
+    """With `--hf-compile same`, both baselines compile with the engine's mode: their warm-up pass compiles,
+    the timed pass reuses the graphs, and greedy tokens still equal the engine's."""
+    import torch._dynamo
+
+    out = tmp_path / "engine.json"
+    torch._dynamo.reset()
+    code = main(["bench", "engine", "--model", "builtin:tiny", "--requests", "2", "--seed", "3",
+                 "--prompt-len", "8:16", "--output-len", "4:8", "--static-batch-size", "2",
+                 "--kv-cache-bytes", str(4 * 1024 * 1024), "--max-num-seqs", "4", "--max-num-batched-tokens", "64",
+                 "--compile", "default", "--hf-compile", "same", "--in-process", "--out", str(out)])
+    assert code == 0
+    report = json.loads(out.read_text())
+    assert report["config"]["hf_compile"] == "default"
+    for peer in ("hf_static", "hf_continuous"):
+        assert report["systems"][peer]["compile"] == "default", peer
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 3  # the engine's and each baseline's
+    assert report["greedy_match"] == {"hf_static": 1.0, "hf_continuous": 1.0}

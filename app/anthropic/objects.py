@@ -12,9 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import orjson
-
 from app.anthropic.translation import tool_use_id
+from app.plumbing.json_lines import dumps_one_line
 from app.serving.generation import Usage
 
 PING_EVENT = b'event: ping\ndata: {"type":"ping"}\n\n'
@@ -50,7 +49,7 @@ class MessageHead:
 
 
 def sse_event(name: str, payload: dict[str, Any]) -> bytes:
-    return b"event: " + name.encode() + b"\ndata: " + orjson.dumps(payload) + b"\n\n"
+    return b"event: " + name.encode() + b"\ndata: " + dumps_one_line(payload) + b"\n\n"
 
 
 def error_event(error: dict[str, Any]) -> bytes:
@@ -79,7 +78,7 @@ class MessageEvents:
         if not self._text_prefix:
             self._text_prefix = (b'event: content_block_delta\ndata: {"type":"content_block_delta","index":'
                                  + str(self._num_blocks - 1).encode() + b',"delta":{"type":"text_delta","text":')
-        return opening + self._text_prefix + orjson.dumps(text) + b"}}\n\n"
+        return opening + self._text_prefix + dumps_one_line(text) + b"}}\n\n"
 
     def tool_call(self, delta: dict[str, Any]) -> bytes:
         """One of the chat machinery's tool-call deltas: one with an id starts a call (and may carry

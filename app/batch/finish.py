@@ -20,9 +20,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import orjson
-
 from app.batch.database import transaction
+from app.plumbing.json_lines import dumps_one_line
 
 BLOB_CHUNK_BYTES = 1024 * 1024
 # An error-file line for an item that never ran (the batch ended first), as OpenAI writes it.
@@ -103,14 +102,9 @@ def insert_file_row(db: sqlite3.Connection, file_id: str, tenant: str, filename:
     return cursor.lastrowid
 
 
-# Characters that JSON leaves raw but that many readers take as line ends (Python's `str.splitlines`,
-# JavaScript's older parsers): escaped, so a generated text holding one never splits a JSONL line.
-_LINE_BREAKS_JSON_LEAVES_RAW = str.maketrans({"\u0085": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
-
-
 def dump_line(line: dict[str, Any]) -> str:
     """One line of an output or error file, as stored: compact JSON, so files are plain concatenations."""
-    return orjson.dumps(line).decode().translate(_LINE_BREAKS_JSON_LEAVES_RAW)
+    return dumps_one_line(line).decode()  # a text holding U+2028 never splits a JSONL line
 
 
 def _write_unfinished(db: sqlite3.Connection, batch_id: str, code: str, message: str) -> None:

@@ -16,6 +16,7 @@ from typing import Any, ClassVar, Protocol
 import orjson
 
 from app.plumbing.errors import error_body
+from app.plumbing.json_lines import dumps_one_line
 from app.serving.generation import TextPiece, Usage
 from contract.plan import TokenLogprobs
 from gpu.tokenizer import Tokenizer
@@ -26,7 +27,7 @@ LOGPROB_FLOOR = -9999.0
 
 
 def sse_event(payload: dict[str, Any]) -> bytes:
-    return b"data: " + orjson.dumps(payload) + b"\n\n"
+    return b"data: " + dumps_one_line(payload) + b"\n\n"
 
 
 def sse_error_event(message: str, type: str, code: str | None = None) -> bytes:
@@ -178,7 +179,7 @@ class _TemplatedChunks(ABC):
     def content(self, index: int, text: str, logprobs: tuple[TokenLogprobs, ...] = (),
                 echoed: EchoedPrompt | None = None) -> bytes:
         if index == 0 and not logprobs and echoed is None and not self._shape.continuous_usage:
-            return self._content_prefix + orjson.dumps(text) + self._content_suffix
+            return self._content_prefix + dumps_one_line(text) + self._content_suffix
         choice = self._choice(index, text, None)
         if (logprobs or echoed is not None) and self._shape.logprobs is not None:
             choice["logprobs"] = self._logprobs(index, text, logprobs, echoed)

@@ -13,8 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import orjson
-
+from app.plumbing.json_lines import dumps_one_line
 from app.responses.objects import ResponseHead, failed, finished
 from app.responses.translate import function_call_item, message_item, new_id, output_text_part
 from app.serving.generation import Usage
@@ -22,7 +21,7 @@ from app.serving.generation import Usage
 
 def sse_frame(event: dict[str, Any]) -> bytes:
     """One event, named as OpenAI names them so that clients routing on `event:` see its type."""
-    return b"event: " + str(event["type"]).encode() + b"\ndata: " + orjson.dumps(event) + b"\n\n"
+    return b"event: " + str(event["type"]).encode() + b"\ndata: " + dumps_one_line(event) + b"\n\n"
 
 
 class NumberedEvents:

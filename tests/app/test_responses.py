@@ -1,15 +1,15 @@
-"""The templated content chunk is byte-for-byte what encoding the whole object would give."""
+"""The templated content chunk is byte-for-byte what encoding the whole object would give (line breaks escaped)."""
 
 from __future__ import annotations
 
 import json
 
-import orjson
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from app.openai.objects import ChatChunks, CompletionChunks, Envelope, StreamShape
+from app.plumbing.json_lines import dumps_one_line
 
 ENVELOPES = [Envelope("chatcmpl-1", 1700000000, "m", None), Envelope("x\"y", 1, "模型", "flex")]
 
@@ -31,7 +31,7 @@ def test_chat_content_chunk_matches_the_object(envelope: Envelope, include_usage
     chunk = ChatChunks(envelope, StreamShape(include_usage)).content(0, text)
 
     assert decode(chunk) == expected
-    assert chunk == b"data: " + orjson.dumps(expected) + b"\n\n"
+    assert chunk == b"data: " + dumps_one_line(expected) + b"\n\n"
 
 
 @pytest.mark.parametrize("envelope", ENVELOPES)
@@ -45,4 +45,4 @@ def test_completion_content_chunk_matches_the_object(envelope: Envelope, include
 
     chunk = CompletionChunks(envelope, StreamShape(include_usage)).content(0, text)
 
-    assert chunk == b"data: " + orjson.dumps(expected) + b"\n\n"
+    assert chunk == b"data: " + dumps_one_line(expected) + b"\n\n"

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import json
+import re
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -29,6 +30,7 @@ BAD_STREAM = "bad_stream"  # the stream ended without `data: [DONE]`, or a chunk
 NOT_ERRORS = frozenset({OK, DROPPED})
 DONE = "[DONE]"
 STATS_PATH = "/stats"
+SSE_LINE_END = re.compile(rb"\r\n|\r|\n")  # the only line ends of an event stream
 
 
 @dataclass(slots=True)
@@ -65,6 +67,26 @@ def is_loopback_url(url: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+async def sse_lines(pieces: AsyncIterator[bytes]) -> AsyncIterator[str]:
+    """The lines of an event stream read in pieces cut anywhere, split where SSE ends a line: at CRLF,
+    LF or CR, and nowhere else. Not httpx's `aiter_lines`: it splits like `str.splitlines`, also at
+    U+0085, U+2028 and U+2029, which JSON carries unescaped (the server's orjson does), so a chunk
+    whose text held one was cut in two and read as JSON that is not."""
+    pending = b""
+    async for piece in pieces:
+        pending += piece
+        # A CR at the end may be the first half of a CRLF: it waits for the next piece.
+        cut = len(pending) - 1 if pending.endswith(b"\r") else len(pending)
+        *lines, rest = SSE_LINE_END.split(pending[:cut])
+        pending = rest + pending[cut:]
+        for line in lines:  # UTF-8 never has a CR or LF byte inside a character: each line decodes whole
+            yield line.decode("utf-8", errors="replace")
+    if pending:
+        *lines, rest = SSE_LINE_END.split(pending)
+        for line in [*lines, rest] if rest else lines:
+            yield line.decode("utf-8", errors="replace")
 
 
 async def sse_data(lines: AsyncIterator[str]) -> AsyncIterator[str]:
@@ -116,7 +138,7 @@ async def send_chat(http: httpx.AsyncClient, model: str, request: ChatRequest, r
 
 
 async def _read_stream(response: httpx.Response, request: ChatRequest, record: RequestRecord, clock: Clock) -> str:
-    async for data in sse_data(response.aiter_lines()):
+    async for data in sse_data(sse_lines(response.aiter_bytes())):
         if data == DONE:
             return OK
         chunk = json.loads(data)  # a JSONDecodeError is a ValueError: send_chat makes it BAD_STREAM

@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 
 from loadtest.batch_job import run_batch_job, run_cancelled_batch_job
-from loadtest.client import OK, TIMEOUT, TRANSPORT_ERROR, RequestRecord, send_chat
+from loadtest.client import OK, RequestRecord, send_chat, take_refusal, take_transport_failure
 from loadtest.workload import (
     BATCH_API,
     ChatRequest,
@@ -73,16 +73,19 @@ async def post_once(traffic: Traffic, path: str, body: dict[str, Any], tenant: L
     """One non-streamed request: its outcome, end-to-end time and usage."""
     try:
         response = await traffic.http.post(path, json=body, headers=tenant.headers)
-        record.outcome = OK if response.status_code == 200 else str(response.status_code)
-        if response.status_code == 200:
-            usage = response.json().get("usage") or {}
-            record.prompt_tokens = int(usage.get("prompt_tokens", 0))
-            record.completion_tokens = int(usage.get("completion_tokens", 0))
-            record.chunk_times = [traffic.now()]
-    except httpx.TimeoutException:
-        record.outcome = TIMEOUT
-    except httpx.TransportError:
-        record.outcome = TRANSPORT_ERROR
+        record.take_head(response)
+        record.num_bytes = len(response.content)
+        if response.status_code != 200:
+            take_refusal(record, response)
+            return
+        answer = response.json()
+        record.outcome, record.completion_id = OK, answer.get("id")
+        usage = answer.get("usage") or {}
+        record.prompt_tokens = int(usage.get("prompt_tokens", 0))
+        record.completion_tokens = int(usage.get("completion_tokens", 0))
+        record.chunk_times = [traffic.now()]
+    except httpx.RequestError as exc:
+        take_transport_failure(record, exc)
     finally:
         record.e2e_s = traffic.now() - record.sent_at
 

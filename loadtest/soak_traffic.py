@@ -21,7 +21,9 @@ import httpx
 from loadtest.batch_job import run_batch_job, run_cancelled_batch_job
 from loadtest.client import OK, RequestRecord, send_chat, take_refusal, take_transport_failure
 from loadtest.workload import (
+    BATCH,
     BATCH_API,
+    INTERACTIVE,
     ChatRequest,
     LoadTenant,
     batch_request,
@@ -41,6 +43,9 @@ CANCELLED_BATCH = "batch-cancelled"  # a Batch API job cancelled while it runs
 # How often each kind is drawn: mostly interactive chats, with every other kind present throughout.
 MIX: dict[str, float] = {CHAT: 40, FLEX_CHAT: 15, DISCONNECT: 10, COMPLETION: 10, STRUCTURED: 8, MULTI: 7,
                          BATCH_JOB: 5, CANCELLED_BATCH: 5}
+# The priority class each kind runs in: flex-tier chats and Batch API items are batch-class.
+KIND_CLASS: dict[str, str] = {CHAT: INTERACTIVE, FLEX_CHAT: BATCH, DISCONNECT: INTERACTIVE, COMPLETION: INTERACTIVE,
+                              STRUCTURED: INTERACTIVE, MULTI: INTERACTIVE, BATCH_JOB: BATCH, CANCELLED_BATCH: BATCH}
 NUM_BATCH_ITEMS = 3
 SCHEMA_FORMAT = {"type": "json_schema", "json_schema": {"name": "answer", "schema": {
     "type": "object", "properties": {"answer": {"type": "string"}, "score": {"type": "integer"}},

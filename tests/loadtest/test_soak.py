@@ -22,12 +22,23 @@ import httpx
 import pytest
 
 from loadtest.batch_job import BATCH_ITEM_ERROR, run_batch_job
-from loadtest.client import ERROR_RESPONSE, RequestRecord, SettleResult
+from loadtest.client import BAD_STREAM, ERROR_RESPONSE, NOT_JSON, TIMEOUT, RequestRecord, SettleResult
 from loadtest.commands import run_long
+from loadtest.failed_requests import MAX_LISTED, MAX_ROWS
 from loadtest.probe import Sample, open_files, proc_status, sqlite_files
 from loadtest.soak import BASELINE, IDLE, LOAD, SoakConfig, SoakResult
 from loadtest.soak_report import build_soak_report, drift, latency_windows, soak_markdown
-from loadtest.soak_traffic import BATCH_JOB, CHAT, COMPLETION, MIX, Traffic, post_once
+from loadtest.soak_traffic import (
+    BATCH_JOB,
+    CHAT,
+    COMPLETION,
+    DISCONNECT,
+    FLEX_CHAT,
+    KIND_CLASS,
+    MIX,
+    Traffic,
+    post_once,
+)
 from loadtest.tenants import main as tenants_main
 from loadtest.workload import BATCH_API, LoadTenant, batch_request
 from tests.app.conftest import wait_for
@@ -165,6 +176,50 @@ async def test_a_refused_batch_job_gives_each_item_the_refusal() -> None:
 
     assert [(r.outcome, r.status, r.request_id, r.reason, r.detail, r.e2e_s) for r in records] == [
         ("413", 413, "req-9", ERROR_RESPONSE, "the file is too large", 1.0)] * 2
+
+
+def failed(kind: str, sent_at: float, outcome: str, reason: str, detail: str | None = None) -> RequestRecord:
+    record = RequestRecord("bob", kind, sent_at, e2e_s=2.0, status=200, completion_id=f"chatcmpl-{sent_at:g}",
+                           num_events=4, num_bytes=900)
+    record.fail(outcome, reason, detail)
+    return record
+
+
+def test_the_report_lists_each_request_that_did_not_end_ok() -> None:
+    records = [chat(12, 0.1), RequestRecord("alice", DISCONNECT, 13, "dropped"),
+               failed(CHAT, 14, BAD_STREAM, NOT_JSON, '{"choices": [{"delta": {"content": "a|b\u2028'),
+               failed(FLEX_CHAT, 15, TIMEOUT, "ReadTimeout")]
+    report = build_soak_report(result_of(phases(500, 500), records))
+    summary = soak_markdown(report)
+
+    assert report["passed"]  # a failed request is listed; whether it fails the soak is for the verdicts to say
+    assert report["failed_requests"]["count"] == 2
+    first, second = report["failed_requests"]["listed"]
+    assert (first["kind"], first["class"], first["tenant"], first["sent_at_s"]) == (CHAT, "interactive", "bob", 14)
+    assert (first["outcome"], first["reason"], first["completion_id"]) == (BAD_STREAM, NOT_JSON, "chatcmpl-14")
+    assert (second["kind"], second["class"], second["reason"]) == (FLEX_CHAT, "batch", "ReadTimeout")
+    assert "Requests that did not end ok: 2 (the first 200 in report.json)." in summary
+    # The chunk's separator and pipe are escaped: the row stays one row of the table.
+    assert (r'| 14.0 | 2.00 | chat | interactive | bob | 200 | bad_stream | chunk not JSON | 4 / 900 | chatcmpl-14 | '
+            r'`{"choices": [{"delta": {"content": "a\|b\u2028` |') in summary
+
+
+def test_the_list_of_failed_requests_is_capped() -> None:
+    records = [failed(CHAT, 20 + i / 10, BAD_STREAM, NOT_JSON, "x" * 300) for i in range(MAX_LISTED + 5)]
+    report = build_soak_report(result_of(phases(500, 500), records))
+    table = [line for line in soak_markdown(report).splitlines() if "| chat | interactive |" in line]
+
+    assert report["failed_requests"]["count"] == MAX_LISTED + 5
+    assert len(report["failed_requests"]["listed"]) == MAX_LISTED and len(table) == MAX_ROWS
+    assert all(len(row["detail"]) == 200 for row in report["failed_requests"]["listed"])
+
+
+def test_a_soak_without_failed_requests_says_so() -> None:
+    report = build_soak_report(result_of(phases(500, 500), [chat(12, 0.1)]))
+
+    assert report["failed_requests"] == {"count": 0, "listed": []}
+    assert "Requests that did not end ok: none." in soak_markdown(report)
+    assert set(KIND_CLASS) == set(MIX)
 
 
 def test_the_probe_reads_this_process() -> None:

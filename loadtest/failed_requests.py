@@ -29,10 +29,11 @@ def failed_requests_markdown(section: dict[str, Any], label_names: Sequence[str]
     if not listed:
         return [f"{what}: none."]
     shown = f"the first {MAX_ROWS} below, " if len(listed) > MAX_ROWS else ""
+    in_json = "all" if section["count"] <= MAX_LISTED else f"the first {MAX_LISTED}"
     names = ["sent at (s)", "elapsed (s)", *label_names, "tenant", "status", "outcome", "reason", "events / bytes",
              "completion id", "detail"]
     numeric = {"sent at (s)", "elapsed (s)", "status", "events / bytes"}
-    return [f"{what}: {section['count']} ({shown}the first {MAX_LISTED} in report.json).", "",
+    return [f"{what}: {section['count']} ({shown}{in_json} in report.json).", "",
             _table_row(names), _table_row(["---:" if name in numeric else "---" for name in names]),
             *(_table_row(_cells(row, label_names)) for row in listed[:MAX_ROWS])]
 

@@ -198,7 +198,7 @@ def test_the_report_lists_each_request_that_did_not_end_ok() -> None:
     assert (first["kind"], first["class"], first["tenant"], first["sent_at_s"]) == (CHAT, "interactive", "bob", 14)
     assert (first["outcome"], first["reason"], first["completion_id"]) == (BAD_STREAM, NOT_JSON, "chatcmpl-14")
     assert (second["kind"], second["class"], second["reason"]) == (FLEX_CHAT, "batch", "ReadTimeout")
-    assert "Requests that did not end ok: 2 (the first 200 in report.json)." in summary
+    assert "Requests that did not end ok: 2 (all in report.json)." in summary
     # The chunk's separator and pipe are escaped: the row stays one row of the table.
     assert (r'| 14.0 | 2.00 | chat | interactive | bob | 200 | bad_stream | chunk not JSON | 4 / 900 | chatcmpl-14 | '
             r'`{"choices": [{"delta": {"content": "a\|b\u2028` |') in summary
@@ -207,10 +207,12 @@ def test_the_report_lists_each_request_that_did_not_end_ok() -> None:
 def test_the_list_of_failed_requests_is_capped() -> None:
     records = [failed(CHAT, 20 + i / 10, BAD_STREAM, NOT_JSON, "x" * 300) for i in range(MAX_LISTED + 5)]
     report = build_soak_report(result_of(phases(500, 500), records))
-    table = [line for line in soak_markdown(report).splitlines() if "| chat | interactive |" in line]
+    summary = soak_markdown(report)
+    table = [line for line in summary.splitlines() if "| chat | interactive |" in line]
 
     assert report["failed_requests"]["count"] == MAX_LISTED + 5
     assert len(report["failed_requests"]["listed"]) == MAX_LISTED and len(table) == MAX_ROWS
+    assert f"did not end ok: {MAX_LISTED + 5} (the first 20 below, the first 200 in report.json)." in summary
     assert all(len(row["detail"]) == 200 for row in report["failed_requests"]["listed"])
 
 

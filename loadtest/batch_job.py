@@ -11,16 +11,25 @@ import asyncio
 import contextlib
 import json
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import httpx
 
-from loadtest.client import OK, TIMEOUT, TRANSPORT_ERROR, UNFINISHED, RequestRecord
+from loadtest.client import (
+    ERROR_RESPONSE,
+    OK,
+    UNFINISHED,
+    RequestRecord,
+    take_refusal,
+    take_transport_failure,
+)
 from loadtest.workload import ChatRequest, LoadTenant
 
 CHAT_PATH = "/v1/chat/completions"
 FINAL_STATUSES = frozenset({"completed", "failed", "expired", "cancelled"})
 POLL_S = 0.5
+BATCH_ITEM_ERROR = "batch item error"  # the error file's line for the item; detail: its message
 
 
 async def run_batch_job(http: httpx.AsyncClient, model: str, items: list[ChatRequest], records: list[RequestRecord],
@@ -33,8 +42,8 @@ async def run_batch_job(http: httpx.AsyncClient, model: str, items: list[ChatReq
     summaries.append(summary)
     try:
         batch = await _create(http, tenant, _input_file(model, items, custom_ids))
-        if isinstance(batch, int):
-            _end_all(records, str(batch), clock())
+        if isinstance(batch, httpx.Response):
+            _end_all(records, clock(), partial(take_refusal, response=batch))
             return
         summary["batch_id"] = batch["id"]
         batch = await _poll(http, tenant, batch["id"])
@@ -44,10 +53,8 @@ async def run_batch_job(http: httpx.AsyncClient, model: str, items: list[ChatReq
         results = await _results(http, tenant, batch)
         for custom_id, record in zip(custom_ids, records, strict=True):
             _fill(record, results.get(custom_id), f"batch_{batch['status']}", done_at)
-    except httpx.TimeoutException:
-        _end_all(records, TIMEOUT, clock())
-    except httpx.TransportError:
-        _end_all(records, TRANSPORT_ERROR, clock())
+    except httpx.RequestError as exc:
+        _end_all(records, clock(), partial(take_transport_failure, exc=exc))
     except asyncio.CancelledError:
         if summary["batch_id"] is not None:  # the run is over: do not leave the server working for nobody
             await _cancel_quietly(http, tenant, summary["batch_id"])
@@ -61,16 +68,16 @@ def _input_file(model: str, items: list[ChatRequest], custom_ids: list[str]) -> 
     return ("\n".join(lines) + "\n").encode()
 
 
-async def _create(http: httpx.AsyncClient, tenant: LoadTenant, content: bytes) -> dict[str, Any] | int:
-    """The created batch, or the HTTP status that refused the upload or the creation."""
+async def _create(http: httpx.AsyncClient, tenant: LoadTenant, content: bytes) -> dict[str, Any] | httpx.Response:
+    """The created batch, or the response that refused the upload or the creation."""
     upload = await http.post("/v1/files", headers=tenant.headers, data={"purpose": "batch"},
                              files={"file": ("loadtest.jsonl", content, "application/jsonl")})
     if upload.status_code != 200:
-        return upload.status_code
+        return upload
     created = await http.post("/v1/batches", headers=tenant.headers, json={
         "input_file_id": upload.json()["id"], "endpoint": CHAT_PATH, "completion_window": "24h"})
     if created.status_code != 200:
-        return created.status_code
+        return created
     batch: dict[str, Any] = created.json()
     return batch
 
@@ -106,20 +113,29 @@ def _fill(record: RequestRecord, line: dict[str, Any] | None, missing: str, done
         return
     response = line.get("response")
     if response is None:
-        record.outcome = str((line.get("error") or {}).get("code") or missing)
+        error = line.get("error") or {}
+        record.fail(str(error.get("code") or missing), BATCH_ITEM_ERROR, error.get("message"))
         return
-    record.outcome = OK if response["status_code"] == 200 else str(response["status_code"])
-    usage = (response.get("body") or {}).get("usage") or {}
+    # The item's request id is its completion's id, the one the server's request log names.
+    record.status, record.completion_id = response["status_code"], response.get("request_id") or None
+    body = response.get("body") or {}
+    if record.status != 200:
+        message = (body.get("error") or {}).get("message")
+        record.fail(str(record.status), ERROR_RESPONSE, None if message is None else str(message))
+        return
+    record.outcome = OK
+    usage = body.get("usage") or {}
     record.prompt_tokens = int(usage.get("prompt_tokens", 0))
     record.completion_tokens = int(usage.get("completion_tokens", 0))
     record.cached_tokens = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0))
     record.chunk_times = [done_at]  # the client sees the tokens when it downloads them
 
 
-def _end_all(records: list[RequestRecord], outcome: str, now: float) -> None:
+def _end_all(records: list[RequestRecord], now: float, end: Callable[[RequestRecord], None]) -> None:
+    """End each record still unfinished as `end` says."""
     for record in records:
         if record.outcome == UNFINISHED:
-            record.outcome = outcome
+            end(record)
             record.e2e_s = now - record.sent_at
 
 
@@ -140,8 +156,8 @@ async def run_cancelled_batch_job(http: httpx.AsyncClient, model: str, items: li
     summaries.append(summary)
     try:
         batch = await _create(http, tenant, _input_file(model, items, [f"c-{i}" for i in range(len(items))]))
-        if isinstance(batch, int):
-            record.outcome = str(batch)
+        if isinstance(batch, httpx.Response):
+            take_refusal(record, batch)
             return
         summary["batch_id"] = batch["id"]
         await asyncio.sleep(cancel_after_s)
@@ -151,9 +167,7 @@ async def run_cancelled_batch_job(http: httpx.AsyncClient, model: str, items: li
         summary |= {"status": batch["status"], "cancel_status": cancel.status_code,
                     "request_counts": batch.get("request_counts")}
         record.outcome = OK if cancel.status_code == 200 or batch["status"] != "cancelled" else str(cancel.status_code)
-    except httpx.TimeoutException:
-        record.outcome = TIMEOUT
-    except httpx.TransportError:
-        record.outcome = TRANSPORT_ERROR
+    except httpx.RequestError as exc:
+        take_transport_failure(record, exc)
     finally:
         record.e2e_s = clock() - record.sent_at

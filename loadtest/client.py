@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import json
+import re
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -25,10 +26,18 @@ UNFINISHED = "unfinished"  # still going when the run's drain timeout ended it
 TIMEOUT = "timeout"
 TRANSPORT_ERROR = "transport_error"
 STREAM_ERROR = "stream_error"  # an error event after the stream started
-BAD_STREAM = "bad_stream"  # the stream ended without `data: [DONE]`, or a chunk was not JSON
+BAD_STREAM = "bad_stream"  # the stream ended without `data: [DONE]`, or a chunk was not one (reasons below)
 NOT_ERRORS = frozenset({OK, DROPPED})
+# Why a request did not end ok (RequestRecord.reason); a timeout or transport error gives its exception's class.
+NO_DONE = "closed without [DONE]"  # the body ended cleanly, but before its last event
+NOT_JSON = "chunk not JSON"  # detail: the chunk
+NOT_A_CHUNK = "chunk not a chunk"  # JSON, but not an object of a chunk's shape; detail: the chunk
+ERROR_EVENT = "error event"  # detail: its message
+ERROR_RESPONSE = "error response"  # a status other than 200; detail: the body's error message
+DETAIL_CHARS = 200
 DONE = "[DONE]"
 STATS_PATH = "/stats"
+SSE_LINE_END = re.compile(rb"\r\n|\r|\n")  # the only line ends of an event stream
 
 
 @dataclass(slots=True)
@@ -47,10 +56,34 @@ class RequestRecord:
     completion_tokens: int = 0  # from usage; the number of content chunks when no usage arrived
     cached_tokens: int = 0
     retry_after: str | None = None  # the Retry-After header of a refusal (429, 503), when it had one
+    status: int | None = None  # the HTTP status; None when no response head arrived
+    request_id: str | None = None  # the response's x-request-id
+    completion_id: str | None = None  # the `id` its chunks or body carry: what the server's request log names
+    num_events: int = 0  # SSE events read, [DONE] included
+    num_bytes: int = 0  # body bytes read
+    reason: str | None = None  # why it did not end ok: one of the reasons above, or an exception's class
+    detail: str | None = None  # what the reason is about (the chunk, a message), cut to DETAIL_CHARS
 
     @property
     def is_error(self) -> bool:
         return self.outcome not in NOT_ERRORS
+
+    def fail(self, outcome: str, reason: str, detail: str | None = None) -> None:
+        """End the record as not ok, saying why."""
+        self.outcome, self.reason = outcome, reason
+        self.detail = None if detail is None else detail[:DETAIL_CHARS]
+
+    def take_head(self, response: httpx.Response) -> None:
+        self.status = response.status_code
+        self.request_id = response.headers.get("x-request-id")
+
+    def failure_json(self) -> dict[str, Any]:
+        """What the client knew of a request that did not end ok, for a report's list of them."""
+        return {"tenant": self.tenant, "sent_at_s": round(self.sent_at, 3),
+                "elapsed_s": None if self.e2e_s is None else round(self.e2e_s, 3), "status": self.status,
+                "outcome": self.outcome, "reason": self.reason, "detail": self.detail, "request_id": self.request_id,
+                "completion_id": self.completion_id, "num_events": self.num_events,
+                "num_content_chunks": len(self.chunk_times), "num_bytes": self.num_bytes}
 
     @property
     def ended_at(self) -> float:
@@ -65,6 +98,26 @@ def is_loopback_url(url: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+async def sse_lines(pieces: AsyncIterator[bytes]) -> AsyncIterator[str]:
+    """The lines of an event stream read in pieces cut anywhere, split where SSE ends a line: at CRLF,
+    LF or CR, and nowhere else. Not httpx's `aiter_lines`: it splits like `str.splitlines`, also at
+    U+0085, U+2028 and U+2029, which JSON carries unescaped (the server's orjson does), so a chunk
+    whose text held one was cut in two and read as JSON that is not."""
+    pending = b""
+    async for piece in pieces:
+        pending += piece
+        # A CR at the end may be the first half of a CRLF: it waits for the next piece.
+        cut = len(pending) - 1 if pending.endswith(b"\r") else len(pending)
+        *lines, rest = SSE_LINE_END.split(pending[:cut])
+        pending = rest + pending[cut:]
+        for line in lines:  # UTF-8 never has a CR or LF byte inside a character: each line decodes whole
+            yield line.decode("utf-8", errors="replace")
+    if pending:
+        *lines, rest = SSE_LINE_END.split(pending)
+        for line in [*lines, rest] if rest else lines:
+            yield line.decode("utf-8", errors="replace")
 
 
 async def sse_data(lines: AsyncIterator[str]) -> AsyncIterator[str]:
@@ -89,6 +142,24 @@ async def sse_data(lines: AsyncIterator[str]) -> AsyncIterator[str]:
 Clock = Callable[[], float]
 
 
+def take_refusal(record: RequestRecord, response: httpx.Response) -> None:
+    """An answer other than 200, its body read: the status is the outcome, the body's message the detail."""
+    record.take_head(response)
+    record.retry_after = response.headers.get("retry-after")
+    try:
+        message = str(response.json()["error"]["message"])
+    except (ValueError, KeyError, TypeError):  # not OpenAI's error shape: the body as it came
+        message = response.text
+    record.fail(str(response.status_code), ERROR_RESPONSE, message)
+
+
+def take_transport_failure(record: RequestRecord, exc: httpx.RequestError) -> None:
+    """A timeout or transport error (or a body httpx could not decode) ended the request; the exception
+    is its reason."""
+    outcome = TIMEOUT if isinstance(exc, httpx.TimeoutException) else TRANSPORT_ERROR
+    record.fail(outcome, type(exc).__name__, str(exc))
+
+
 async def send_chat(http: httpx.AsyncClient, model: str, request: ChatRequest, record: RequestRecord,
                     clock: Clock) -> None:
     """Stream one chat completion into record. Never raises for what the server or network does:
@@ -96,18 +167,15 @@ async def send_chat(http: httpx.AsyncClient, model: str, request: ChatRequest, r
     try:
         async with http.stream("POST", "/v1/chat/completions", json=request.body(model),
                                headers=request.tenant.headers) as response:
+            record.take_head(response)
             if response.status_code != 200:
                 await response.aread()
-                record.outcome = str(response.status_code)
-                record.retry_after = response.headers.get("retry-after")
+                record.num_bytes = len(response.content)
+                take_refusal(record, response)
             else:
-                record.outcome = await _read_stream(response, request, record, clock)
-    except httpx.TimeoutException:
-        record.outcome = TIMEOUT
-    except httpx.TransportError:
-        record.outcome = TRANSPORT_ERROR
-    except (ValueError, TypeError, AttributeError):  # a chunk that is JSON but not the shape of one
-        record.outcome = BAD_STREAM
+                await _read_stream(response, request, record, clock)
+    except httpx.RequestError as exc:
+        take_transport_failure(record, exc)
     finally:
         if record.outcome != UNFINISHED:
             record.e2e_s = clock() - record.sent_at
@@ -115,21 +183,50 @@ async def send_chat(http: httpx.AsyncClient, model: str, request: ChatRequest, r
             record.completion_tokens = len(record.chunk_times)
 
 
-async def _read_stream(response: httpx.Response, request: ChatRequest, record: RequestRecord, clock: Clock) -> str:
-    async for data in sse_data(response.aiter_lines()):
+async def _read_stream(response: httpx.Response, request: ChatRequest, record: RequestRecord, clock: Clock) -> None:
+    """Read events until the stream is over for this client; the record's outcome says how it ended."""
+    async for data in sse_data(sse_lines(_counted(response.aiter_bytes(), record))):
+        record.num_events += 1
         if data == DONE:
-            return OK
-        chunk = json.loads(data)  # a JSONDecodeError is a ValueError: send_chat makes it BAD_STREAM
-        if not isinstance(chunk, dict):
-            return BAD_STREAM
-        if "error" in chunk:
-            return STREAM_ERROR
-        now = clock()
-        if _take_chunk(chunk, record, now - record.sent_at):
-            record.chunk_times.append(now)
-            if request.drop_after_chunks is not None and len(record.chunk_times) >= request.drop_after_chunks:
-                return DROPPED  # leaving the `async with` closes the connection mid-stream
-    return BAD_STREAM
+            record.outcome = OK
+            return
+        if not _take_event(data, record, clock()):
+            return
+        if request.drop_after_chunks is not None and len(record.chunk_times) >= request.drop_after_chunks:
+            record.outcome = DROPPED  # leaving the `async with` closes the connection mid-stream
+            return
+    record.fail(BAD_STREAM, NO_DONE)
+
+
+async def _counted(pieces: AsyncIterator[bytes], record: RequestRecord) -> AsyncIterator[bytes]:
+    async for piece in pieces:
+        record.num_bytes += len(piece)
+        yield piece
+
+
+def _take_event(data: str, record: RequestRecord, now: float) -> bool:
+    """Take one event's chunk into record: True while the stream goes on, False once the event failed it."""
+    try:
+        chunk = json.loads(data)
+    except ValueError:
+        record.fail(BAD_STREAM, NOT_JSON, data)
+        return False
+    if not isinstance(chunk, dict):
+        record.fail(BAD_STREAM, NOT_A_CHUNK, data)
+        return False
+    if "error" in chunk:
+        error = chunk["error"]
+        record.fail(STREAM_ERROR, ERROR_EVENT, str(error.get("message") if isinstance(error, dict) else error))
+        return False
+    record.completion_id = record.completion_id or chunk.get("id")
+    try:
+        has_content = _take_chunk(chunk, record, now - record.sent_at)
+    except (ValueError, TypeError, AttributeError):  # usage or choices of another shape
+        record.fail(BAD_STREAM, NOT_A_CHUNK, data)
+        return False
+    if has_content:
+        record.chunk_times.append(now)
+    return True
 
 
 def _take_chunk(chunk: dict[str, Any], record: RequestRecord, elapsed: float) -> bool:

@@ -1,5 +1,6 @@
 """An overload run's report: goodput against capacity, refusals and their Retry-After, TTFT of the
-admitted interactive requests, 5xx, recovery; the verdicts; JSON, Markdown and a plot over time."""
+admitted interactive requests, 5xx, recovery, the requests that failed otherwise; the verdicts; JSON,
+Markdown and a plot over time."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Any
 
 from matplotlib.figure import Figure
 
+from loadtest.failed_requests import failed_requests, failed_requests_markdown
 from loadtest.overload import CAPACITY, RECOVERY, REFUSED, SURGE, Attempt, OverloadResult, summary_of
 from loadtest.workload import BATCH, INTERACTIVE
 
@@ -62,6 +64,10 @@ def build_overload_report(result: OverloadResult) -> dict[str, Any]:
         "phases": {phase: summary_of(result.attempts, phase, span) for phase, span in result.phase_spans.items()},
         "recovery_s": result.recovery_s,
         "over_time": over_time(result.attempts),
+        # Refusals are what the run provokes, counted per phase above: listing them would bury the rest.
+        "failed_requests": failed_requests([({"phase": a.phase, "class": a.record.klass}, a.record)
+                                            for a in result.attempts
+                                            if a.record.is_error and a.record.outcome not in REFUSED]),
     }
     capacity = report["phases"][CAPACITY]["goodput_tokens_per_s"]
     report["surge_goodput_vs_capacity"] = (report["phases"][SURGE]["goodput_tokens_per_s"] / capacity
@@ -120,6 +126,8 @@ def overload_markdown(report: dict[str, Any], plots: Sequence[str] = ()) -> str:
     lines += ["", f"- Surge goodput against capacity: {'-' if ratio is None else f'{ratio:.2f}x'}",
               f"- Recovery after the surge: {'not within the timeout' if recovery is None else f'{recovery:.1f} s'} "
               "(until an interactive probe's TTFT is back within 2x the capacity phase's median)"]
+    lines += ["", *failed_requests_markdown(report["failed_requests"], ("phase", "class"),
+                                            "Requests that did not end ok, refusals (429, 503) aside")]
     lines += ["", *(f"![{Path(plot).stem}]({Path(plot).name})" for plot in plots)]
     return "\n".join(lines).rstrip() + "\n"
 

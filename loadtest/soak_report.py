@@ -15,9 +15,10 @@ from typing import Any
 from matplotlib.figure import Figure
 
 from loadtest.client import RequestRecord
+from loadtest.failed_requests import failed_requests, failed_requests_markdown
 from loadtest.probe import Sample
 from loadtest.soak import BASELINE, IDLE, LOAD, NUM_IDLE_SAMPLES, SoakConfig, SoakResult
-from loadtest.soak_traffic import CHAT
+from loadtest.soak_traffic import CHAT, KIND_CLASS
 from loadtest.stats import percentile
 
 DPI = 80
@@ -130,6 +131,8 @@ def build_soak_report(result: SoakResult) -> dict[str, Any]:
         "load_s": [round(result.load_started_at, 1), round(result.load_ended_at, 1)],
         "resources": resources, "latency_windows": windows, "latency_drift": drift(windows),
         "by_kind": by_kind(result.traffic.records),
+        "failed_requests": failed_requests([({"kind": r.klass, "class": KIND_CLASS.get(r.klass, "-")}, r)
+                                            for r in result.traffic.records if r.is_error]),
         "server_delta": {"requests_finished": _delta(before, after, "requests_finished"),
                          "requests_aborted": _delta(before, after, "requests_aborted"),
                          "preemptions_swap": _delta(before, after, "preemptions", "swap"),
@@ -178,6 +181,7 @@ def soak_markdown(report: dict[str, Any], plots: Sequence[str] = ()) -> str:
         f"{kind} {k['sent']} ({', '.join(f'{o} {n}' for o, n in k['outcomes'].items())})"
         for kind, k in report["by_kind"].items()),
         "", "Server counters during the run: " + ", ".join(f"{k} +{v}" for k, v in report["server_delta"].items())]
+    lines += ["", *failed_requests_markdown(report["failed_requests"], ("kind", "class"))]
     lines += ["", *(f"![{Path(plot).stem}]({Path(plot).name})" for plot in plots)]
     return "\n".join(lines).rstrip() + "\n"
 

@@ -19,9 +19,11 @@ from typing import Any
 import httpx
 
 from loadtest.batch_job import run_batch_job, run_cancelled_batch_job
-from loadtest.client import OK, TIMEOUT, TRANSPORT_ERROR, RequestRecord, send_chat
+from loadtest.client import OK, RequestRecord, send_chat, take_refusal, take_transport_failure
 from loadtest.workload import (
+    BATCH,
     BATCH_API,
+    INTERACTIVE,
     ChatRequest,
     LoadTenant,
     batch_request,
@@ -41,6 +43,9 @@ CANCELLED_BATCH = "batch-cancelled"  # a Batch API job cancelled while it runs
 # How often each kind is drawn: mostly interactive chats, with every other kind present throughout.
 MIX: dict[str, float] = {CHAT: 40, FLEX_CHAT: 15, DISCONNECT: 10, COMPLETION: 10, STRUCTURED: 8, MULTI: 7,
                          BATCH_JOB: 5, CANCELLED_BATCH: 5}
+# The priority class each kind runs in: flex-tier chats and Batch API items are batch-class.
+KIND_CLASS: dict[str, str] = {CHAT: INTERACTIVE, FLEX_CHAT: BATCH, DISCONNECT: INTERACTIVE, COMPLETION: INTERACTIVE,
+                              STRUCTURED: INTERACTIVE, MULTI: INTERACTIVE, BATCH_JOB: BATCH, CANCELLED_BATCH: BATCH}
 NUM_BATCH_ITEMS = 3
 SCHEMA_FORMAT = {"type": "json_schema", "json_schema": {"name": "answer", "schema": {
     "type": "object", "properties": {"answer": {"type": "string"}, "score": {"type": "integer"}},
@@ -73,16 +78,19 @@ async def post_once(traffic: Traffic, path: str, body: dict[str, Any], tenant: L
     """One non-streamed request: its outcome, end-to-end time and usage."""
     try:
         response = await traffic.http.post(path, json=body, headers=tenant.headers)
-        record.outcome = OK if response.status_code == 200 else str(response.status_code)
-        if response.status_code == 200:
-            usage = response.json().get("usage") or {}
-            record.prompt_tokens = int(usage.get("prompt_tokens", 0))
-            record.completion_tokens = int(usage.get("completion_tokens", 0))
-            record.chunk_times = [traffic.now()]
-    except httpx.TimeoutException:
-        record.outcome = TIMEOUT
-    except httpx.TransportError:
-        record.outcome = TRANSPORT_ERROR
+        record.take_head(response)
+        record.num_bytes = len(response.content)
+        if response.status_code != 200:
+            take_refusal(record, response)
+            return
+        answer = response.json()
+        record.outcome, record.completion_id = OK, answer.get("id")
+        usage = answer.get("usage") or {}
+        record.prompt_tokens = int(usage.get("prompt_tokens", 0))
+        record.completion_tokens = int(usage.get("completion_tokens", 0))
+        record.chunk_times = [traffic.now()]
+    except httpx.RequestError as exc:
+        take_transport_failure(record, exc)
     finally:
         record.e2e_s = traffic.now() - record.sent_at
 

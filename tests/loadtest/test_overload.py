@@ -93,6 +93,19 @@ def test_refusals_are_counted_per_class_in_the_summary() -> None:
     assert "Nothing was refused" not in summary
 
 
+def test_requests_that_failed_other_than_by_refusal_are_listed() -> None:
+    cut = RequestRecord("alice", BATCH, 14.0, e2e_s=3.0, status=200, num_events=5, num_bytes=800)
+    cut.fail("transport_error", "RemoteProtocolError", "peer closed connection")
+    report = build_overload_report(result([*healthy_run(), Attempt(SURGE, cut)]))
+    summary = overload_markdown(report)
+
+    assert report["failed_requests"]["count"] == 1  # the surge's refusals are not listed
+    listed = report["failed_requests"]["listed"][0]
+    assert (listed["phase"], listed["class"], listed["reason"]) == (SURGE, BATCH, "RemoteProtocolError")
+    assert "Requests that did not end ok, refusals (429, 503) aside: 1" in summary
+    assert "| surge | batch | alice | 200 | transport_error | RemoteProtocolError | 5 / 800 |" in summary
+
+
 def test_a_surge_without_refusals_says_the_shedding_was_not_tried() -> None:
     attempts = [a for a in healthy_run() if a.record.outcome == "ok"]
     report = build_overload_report(result(attempts))

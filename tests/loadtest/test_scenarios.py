@@ -4,7 +4,7 @@ its report adds up and agrees with the server's own counters, and the leak check
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -13,11 +13,11 @@ import pytest
 
 from gpu.models import LoadedModel
 from loadtest.__main__ import main
-from loadtest.client import RequestRecord, is_loopback_url, send_chat, settle, sse_data
+from loadtest.client import is_loopback_url, settle
 from loadtest.scenarios import SCENARIOS, RunConfig, split_rate
 from loadtest.stats import jain_index, percentile
 from loadtest.tenants import main as tenants_main
-from loadtest.workload import ChatRequest, LoadTenant, LoadTenantsError, load_tenants
+from loadtest.workload import LoadTenant, LoadTenantsError, load_tenants
 from tenancy.tenants import load_tenants as load_server_tenants
 from tests.app.conftest import ServerThread, tiny_context
 
@@ -146,54 +146,6 @@ async def test_leak_check_names_leaked_blocks_on_an_idle_server() -> None:
         result = await settle(http, timeout_s=0.05, interval_s=0.01)
     assert not result.passed
     assert len(result.problems) == 1 and "3 of 64 KV blocks still in use (leaked)" in result.problems[0]
-
-
-async def lines_of(text: str) -> AsyncIterator[str]:
-    for line in text.split("\n"):
-        yield line
-
-
-async def test_sse_parser_skips_comments_and_joins_data_lines() -> None:
-    text = ": keep-alive\n\ndata: {\"a\": 1}\n\ndata: first\ndata: second\nid: 7\n\n: ping\ndata: [DONE]\n\n"
-    assert [data async for data in sse_data(lines_of(text))] == ['{"a": 1}', "first\nsecond", "[DONE]"]
-
-
-def sse_server(status: int, body: str) -> httpx.MockTransport:
-    return httpx.MockTransport(lambda request: httpx.Response(status, text=body,
-                                                              headers={"content-type": "text/event-stream"}))
-
-
-CHUNK = 'data: {"choices": [{"index": 0, "delta": {"content": "%s"}, "finish_reason": null}]}\n\n'
-USAGE = ('data: {"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 3, '
-         '"prompt_tokens_details": {"cached_tokens": 4}}}\n\n')
-ROLE = 'data: {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}\n\n'
-
-
-@pytest.mark.parametrize(("status", "body", "drop_after", "outcome", "num_chunks"), [
-    (200, ": ping\n\n" + ROLE + CHUNK % "a" + CHUNK % "bc" + USAGE + "data: [DONE]\n\n", None, "ok", 2),
-    (200, ROLE + CHUNK % "a" + CHUNK % "b" + CHUNK % "c", 2, "dropped", 2),
-    (200, CHUNK % "a" + 'data: {"error": {"message": "boom"}}\n\ndata: [DONE]\n\n', None, "stream_error", 1),
-    (200, CHUNK % "a", None, "bad_stream", 1),  # no [DONE]: the stream was cut
-    (200, "data: [1, 2]\n\n", None, "bad_stream", 0),
-    (429, '{"error": {"message": "slow down"}}', None, "429", 0),
-])
-async def test_send_chat_times_a_stream_and_names_its_outcome(status: int, body: str, drop_after: int | None,
-                                                              outcome: str, num_chunks: int) -> None:
-    tenant = LoadTenant("alice", "key")
-    request = ChatRequest(tenant, "interactive", (("user", "hi"),), 8, drop_after)
-    record = RequestRecord("alice", "interactive", sent_at=0.0)
-    ticks = iter(range(1, 100))
-    async with httpx.AsyncClient(transport=sse_server(status, body), base_url="http://127.0.0.1:1") as http:
-        await send_chat(http, "m", request, record, lambda: float(next(ticks)))
-
-    assert (record.outcome, len(record.chunk_times)) == (outcome, num_chunks)
-    assert record.e2e_s is not None and record.e2e_s >= max(record.chunk_times, default=0.0)
-    if num_chunks:
-        assert record.ttft_s == record.chunk_times[0] and record.chunk_times == sorted(record.chunk_times)
-    if outcome == "ok":  # usage wins over counting chunks
-        assert (record.prompt_tokens, record.completion_tokens, record.cached_tokens) == (9, 3, 4)
-    else:
-        assert record.completion_tokens == num_chunks
 
 
 def test_remote_urls_are_refused_unless_allowed(capsys: pytest.CaptureFixture[str]) -> None:

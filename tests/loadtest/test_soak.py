@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import subprocess
 import sys
@@ -20,13 +21,26 @@ from typing import Any
 import httpx
 import pytest
 
-from loadtest.client import RequestRecord, SettleResult
+from loadtest.batch_job import BATCH_ITEM_ERROR, run_batch_job
+from loadtest.client import BAD_STREAM, ERROR_RESPONSE, NOT_JSON, TIMEOUT, RequestRecord, SettleResult
 from loadtest.commands import run_long
+from loadtest.failed_requests import MAX_LISTED, MAX_ROWS
 from loadtest.probe import Sample, open_files, proc_status, sqlite_files
 from loadtest.soak import BASELINE, IDLE, LOAD, SoakConfig, SoakResult
 from loadtest.soak_report import build_soak_report, drift, latency_windows, soak_markdown
-from loadtest.soak_traffic import CHAT, MIX, Traffic
+from loadtest.soak_traffic import (
+    BATCH_JOB,
+    CHAT,
+    COMPLETION,
+    DISCONNECT,
+    FLEX_CHAT,
+    KIND_CLASS,
+    MIX,
+    Traffic,
+    post_once,
+)
 from loadtest.tenants import main as tenants_main
+from loadtest.workload import BATCH_API, LoadTenant, batch_request
 from tests.app.conftest import wait_for
 from tests.conftest import REPO_ROOT
 
@@ -99,6 +113,115 @@ def test_latency_windows_and_drift() -> None:
     assert [w["sent"] for w in windows] == [2, 1, 2]
     assert windows[0]["ttft_p50_s"] == pytest.approx(0.15)
     assert found["drifts"] and found["ratio_p90"] == pytest.approx(0.59 / 0.19)
+
+
+ALICE = LoadTenant("alice", "fl-alice")
+
+
+def answering(status: int, body: dict[str, Any]) -> httpx.MockTransport:
+    return httpx.MockTransport(lambda request: httpx.Response(status, json=body, headers={"x-request-id": "req-9"}))
+
+
+@pytest.mark.parametrize(("status", "body", "outcome", "completion_id", "reason", "detail"), [
+    (200, {"id": "cmpl-9", "usage": {"prompt_tokens": 5, "completion_tokens": 2}}, "ok", "cmpl-9", None, None),
+    (400, {"error": {"message": "too long for the pool"}}, "400", None, ERROR_RESPONSE, "too long for the pool"),
+])
+async def test_a_non_streamed_request_keeps_its_ids_and_what_refused_it(
+        status: int, body: dict[str, Any], outcome: str, completion_id: str | None, reason: str | None,
+        detail: str | None) -> None:
+    async with httpx.AsyncClient(transport=answering(status, body), base_url="http://127.0.0.1:1") as http:
+        traffic = Traffic(http, "m", 0.0)
+        record = traffic.record(ALICE, COMPLETION)
+        await post_once(traffic, "/v1/completions", {}, ALICE, record)
+
+    assert (record.outcome, record.status, record.request_id, record.completion_id) == (outcome, status, "req-9",
+                                                                                        completion_id)
+    assert (record.reason, record.detail, record.num_bytes > 0) == (reason, detail, True)
+
+
+def batch_api(request: httpx.Request) -> httpx.Response:
+    """A Batch API whose batch completes at once: item 0 served, item 1 refused, item 2 failed."""
+    output = {"custom_id": "alice-0", "response": {"status_code": 200, "request_id": "chatcmpl-0", "body": {
+        "usage": {"prompt_tokens": 4, "completion_tokens": 2}}}, "error": None}
+    refused = {"custom_id": "alice-1", "response": {"status_code": 400, "request_id": "chatcmpl-1", "body": {
+        "error": {"message": "too long"}}}, "error": None}
+    failed = {"custom_id": "alice-2", "response": None, "error": {"code": "batch_expired", "message": "expired"}}
+    answers: dict[str, Any] = {
+        "/v1/files": {"id": "file-in"}, "/v1/batches": {"id": "batch-1", "status": "validating"},
+        "/v1/batches/batch-1": {"id": "batch-1", "status": "completed", "output_file_id": "file-out",
+                                "error_file_id": "file-err"},
+        "/v1/files/file-out/content": json.dumps(output), "/v1/files/file-err/content": "\n".join(
+            json.dumps(line) for line in (refused, failed))}
+    answer = answers[request.url.path]
+    return httpx.Response(200, text=answer) if isinstance(answer, str) else httpx.Response(200, json=answer)
+
+
+async def test_each_batch_item_keeps_its_completion_id_and_what_failed_it() -> None:
+    items = [batch_request(ALICE, random.Random(i), BATCH_API) for i in range(3)]
+    records = [RequestRecord("alice", BATCH_JOB, 0.0) for _ in items]
+    async with httpx.AsyncClient(transport=httpx.MockTransport(batch_api), base_url="http://127.0.0.1:1") as http:
+        await run_batch_job(http, "m", items, records, lambda: 1.0, [])
+
+    assert [(r.outcome, r.status, r.completion_id, r.reason, r.detail) for r in records] == [
+        ("ok", 200, "chatcmpl-0", None, None), ("400", 400, "chatcmpl-1", ERROR_RESPONSE, "too long"),
+        ("batch_expired", None, None, BATCH_ITEM_ERROR, "expired")]
+
+
+async def test_a_refused_batch_job_gives_each_item_the_refusal() -> None:
+    items = [batch_request(ALICE, random.Random(i), BATCH_API) for i in range(2)]
+    records = [RequestRecord("alice", BATCH_JOB, 0.0) for _ in items]
+    transport = answering(413, {"error": {"message": "the file is too large"}})
+    async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1:1") as http:
+        await run_batch_job(http, "m", items, records, lambda: 1.0, [])
+
+    assert [(r.outcome, r.status, r.request_id, r.reason, r.detail, r.e2e_s) for r in records] == [
+        ("413", 413, "req-9", ERROR_RESPONSE, "the file is too large", 1.0)] * 2
+
+
+def failed(kind: str, sent_at: float, outcome: str, reason: str, detail: str | None = None) -> RequestRecord:
+    record = RequestRecord("bob", kind, sent_at, e2e_s=2.0, status=200, completion_id=f"chatcmpl-{sent_at:g}",
+                           num_events=4, num_bytes=900)
+    record.fail(outcome, reason, detail)
+    return record
+
+
+def test_the_report_lists_each_request_that_did_not_end_ok() -> None:
+    records = [chat(12, 0.1), RequestRecord("alice", DISCONNECT, 13, "dropped"),
+               failed(CHAT, 14, BAD_STREAM, NOT_JSON, '{"choices": [{"delta": {"content": "a|b\u2028'),
+               failed(FLEX_CHAT, 15, TIMEOUT, "ReadTimeout")]
+    report = build_soak_report(result_of(phases(500, 500), records))
+    summary = soak_markdown(report)
+
+    assert report["passed"]  # a failed request is listed; whether it fails the soak is for the verdicts to say
+    assert report["failed_requests"]["count"] == 2
+    first, second = report["failed_requests"]["listed"]
+    assert (first["kind"], first["class"], first["tenant"], first["sent_at_s"]) == (CHAT, "interactive", "bob", 14)
+    assert (first["outcome"], first["reason"], first["completion_id"]) == (BAD_STREAM, NOT_JSON, "chatcmpl-14")
+    assert (second["kind"], second["class"], second["reason"]) == (FLEX_CHAT, "batch", "ReadTimeout")
+    assert "Requests that did not end ok: 2 (all in report.json)." in summary
+    # The chunk's separator and pipe are escaped: the row stays one row of the table.
+    assert (r'| 14.0 | 2.00 | chat | interactive | bob | 200 | bad_stream | chunk not JSON | 4 / 900 | chatcmpl-14 | '
+            r'`{"choices": [{"delta": {"content": "a\|b\u2028` |') in summary
+
+
+def test_the_list_of_failed_requests_is_capped() -> None:
+    records = [failed(CHAT, 20 + i / 10, BAD_STREAM, NOT_JSON, "x" * 300) for i in range(MAX_LISTED + 5)]
+    report = build_soak_report(result_of(phases(500, 500), records))
+    summary = soak_markdown(report)
+    table = [line for line in summary.splitlines() if "| chat | interactive |" in line]
+
+    assert report["failed_requests"]["count"] == MAX_LISTED + 5
+    assert len(report["failed_requests"]["listed"]) == MAX_LISTED and len(table) == MAX_ROWS
+    assert f"did not end ok: {MAX_LISTED + 5} (the first 20 below, the first 200 in report.json)." in summary
+    assert all(len(row["detail"]) == 200 for row in report["failed_requests"]["listed"])
+
+
+def test_a_soak_without_failed_requests_says_so() -> None:
+    report = build_soak_report(result_of(phases(500, 500), [chat(12, 0.1)]))
+
+    assert report["failed_requests"] == {"count": 0, "listed": []}
+    assert "Requests that did not end ok: none." in soak_markdown(report)
+    assert set(KIND_CLASS) == set(MIX)
 
 
 def test_the_probe_reads_this_process() -> None:

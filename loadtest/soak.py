@@ -25,7 +25,7 @@ import httpx
 
 from loadtest.client import SettleResult, read_stats, served_model, settle
 from loadtest.probe import Sample, ServerProbe
-from loadtest.soak_traffic import Traffic, user
+from loadtest.soak_traffic import MIX, Traffic, user
 from loadtest.workload import ANONYMOUS, LoadTenant
 
 MAX_MINUTES = 24 * 60
@@ -106,8 +106,10 @@ class Sampler:
 async def run_traffic(traffic: Traffic, config: SoakConfig, seconds: float, round_name: str) -> None:
     """The users send for `seconds`, then finish what they started (bounded by the drain timeout)."""
     traffic.is_sending = True
+    kinds = list(MIX)  # shared out: user i starts with kinds i, i + clients, ...
     users = [asyncio.create_task(user(traffic, config.tenants[i % len(config.tenants)],
-                                      random.Random(f"{config.seed}/{round_name}/{i}"), config.think_s))
+                                      random.Random(f"{config.seed}/{round_name}/{i}"), config.think_s,
+                                      kinds[i::config.clients]))
              for i in range(config.clients)]
     await asyncio.sleep(seconds)
     traffic.is_sending = False

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -160,9 +160,13 @@ SENDERS: dict[str, Callable[[Traffic, LoadTenant, random.Random], Awaitable[None
 }
 
 
-async def user(traffic: Traffic, tenant: LoadTenant, rng: random.Random, think_s: float) -> None:
-    """One closed-loop user: a request, a think time, the next, until the traffic stops."""
+async def user(traffic: Traffic, tenant: LoadTenant, rng: random.Random, think_s: float,
+               first_kinds: Sequence[str] = ()) -> None:
+    """One closed-loop user: a request, a think time, the next, until the traffic stops. It sends
+    `first_kinds` first, in order, then draws each request's kind by MIX's weights: users that share the
+    kinds out between them send every kind early, however few requests a short or slow run allows."""
     kinds, weights = list(MIX), list(MIX.values())
+    planned = iter(first_kinds)
     while traffic.is_sending:
-        await send_kind(traffic, rng.choices(kinds, weights)[0], tenant, rng)
+        await send_kind(traffic, next(planned, None) or rng.choices(kinds, weights)[0], tenant, rng)
         await asyncio.sleep(rng.expovariate(1 / think_s) if think_s > 0 else 0)

@@ -299,3 +299,24 @@ def test_config_refuses_a_warmup_longer_than_the_run() -> None:
     config = SoakConfig("http://127.0.0.1:1", minutes=1)
     with pytest.raises(ValueError, match="warm-up"):
         replace(config, warmup_s=60).check()
+
+
+async def test_users_that_share_the_kinds_out_send_every_kind_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    """However few requests a slow run allows, every kind is sent once each user has sent its share."""
+    from loadtest import soak_traffic
+
+    sent: list[str] = []
+
+    async def record_kind(traffic: Traffic, kind: str, tenant: LoadTenant, rng: random.Random) -> None:
+        sent.append(kind)
+        traffic.is_sending = len(sent) < 2 * len(MIX)
+
+    monkeypatch.setattr(soak_traffic, "send_kind", record_kind)
+    kinds, num_users = list(MIX), 3
+    tenant = LoadTenant("alice", "key", 1.0)
+    for i in range(num_users):
+        sent.clear()
+        traffic = Traffic(None, "m", 0.0)  # type: ignore[arg-type]  # never used: send_kind is replaced
+        await soak_traffic.user(traffic, tenant, random.Random(i), 0.0, kinds[i::num_users])
+        assert sent[:len(kinds[i::num_users])] == kinds[i::num_users]
+        assert len(sent) == 2 * len(MIX)  # then it goes on drawing by weight

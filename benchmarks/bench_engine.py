@@ -185,7 +185,15 @@ def _run_hf_static(loaded: Any, workload: list[BenchRequest], batch_size: int,
     warmup_seconds = _timed(generate_all if compile_config is not None else lambda: generate([WARMUP]))[1]
     outputs, wall = _timed(generate_all)
     return SystemResult("hf_static", wall, count_requested_tokens(outputs, workload), peak_rss_bytes(),
-                        outputs, {"batch_size": batch_size, "compile": compile_mode, "warmup_seconds": warmup_seconds})
+                        outputs, {"batch_size": batch_size, "compile": compile_mode, "warmup_seconds": warmup_seconds,
+                                  "compiled_graphs": _compiled_graphs()})
+
+
+def _compiled_graphs() -> int:
+    """Graphs dynamo has compiled in this process so far (0 for a baseline run eagerly)."""
+    import torch._dynamo
+
+    return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
 
 
 def _timed(run: Any) -> tuple[Any, float]:
@@ -232,7 +240,8 @@ def _run_hf_continuous(settings: Settings, loaded: Any, workload: list[BenchRequ
     outputs = [results[f"r{i}"] for i in range(len(workload))]
     return SystemResult("hf_continuous", wall, count_requested_tokens(outputs, workload), peak_rss_bytes(),
                         outputs, {"page_size": page_size, "num_blocks": cb_config.num_blocks,
-                                  "compile": compile_mode, "warmup_seconds": warmup_seconds})
+                                  "compile": compile_mode, "warmup_seconds": warmup_seconds,
+                                  "compiled_graphs": _compiled_graphs()})
 
 
 def _collect(manager: Any, requests: dict[str, BenchRequest]) -> dict[str, list[int]]:

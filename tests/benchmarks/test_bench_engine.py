@@ -67,20 +67,17 @@ def test_an_unknown_system_is_refused_before_anything_runs() -> None:
 
 @pytest.mark.slow
 def test_compiled_baselines_run_through_inductor_and_still_agree(tmp_path: Path) -> None:
-    """With `--hf-compile same`, both baselines compile with the engine's mode: their warm-up pass compiles,
-    the timed pass reuses the graphs, and greedy tokens still equal the engine's."""
-    import torch._dynamo
-
+    """With `--hf-compile same`, both baselines compile with the engine's mode (each in a process of its own,
+    so no compiled state is left in this one), and greedy tokens still equal the engine's."""
     out = tmp_path / "engine.json"
-    torch._dynamo.reset()
     code = main(["bench", "engine", "--model", "builtin:tiny", "--requests", "2", "--seed", "3",
                  "--prompt-len", "8:16", "--output-len", "4:8", "--static-batch-size", "2",
                  "--kv-cache-bytes", str(4 * 1024 * 1024), "--max-num-seqs", "4", "--max-num-batched-tokens", "64",
-                 "--compile", "default", "--hf-compile", "same", "--in-process", "--out", str(out)])
+                 "--compile", "default", "--hf-compile", "same", "--out", str(out)])
     assert code == 0
     report = json.loads(out.read_text())
     assert report["config"]["hf_compile"] == "default"
     for peer in ("hf_static", "hf_continuous"):
         assert report["systems"][peer]["compile"] == "default", peer
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 3  # the engine's and each baseline's
+        assert report["systems"][peer]["compiled_graphs"] >= 1, peer
     assert report["greedy_match"] == {"hf_static": 1.0, "hf_continuous": 1.0}

@@ -15,6 +15,7 @@ from app.process.cli import SubcommandRegistrar
 from app.process.cli import main as app_main
 from benchmarks import (
     bench_cluster,
+    bench_compile,
     bench_engine,
     bench_fairness,
     bench_lora,
@@ -30,7 +31,7 @@ from loadtest import bench_serve
 BENCH_COMMANDS: tuple[SubcommandRegistrar, ...] = (
     bench_engine.add_command, bench_stream.add_command, bench_prefix.add_command, bench_fairness.add_command,
     bench_preemption.add_command, bench_scheduler.add_command, bench_quality.add_command, bench_serve.add_command,
-    bench_cluster.add_command, bench_lora.add_command)
+    bench_cluster.add_command, bench_lora.add_command, bench_compile.add_command)
 
 
 def add_bench_command(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

@@ -50,6 +50,12 @@ class Settings(BaseModel):
     # wrapper). Compiled at start-up; the artifacts are kept under compile_cache_dir (gpu/compiled.py).
     compile_mode: Literal["eager", "default", "max"] = "max"
     compile_cache_dir: str = "./data/compile_cache"
+    # `fairlane serve` answers as soon as the weights are loaded, eagerly, while a child process compiles
+    # the forward (gpu/background_compile.py); True: compile first, then serve (today's benchmarks do).
+    compile_wait: bool = False
+    # One graph for the whole step ("model"), or one decoder layer's graph shared by every layer ("layer":
+    # regional compilation, a much shorter compile); auto: the faster step in the mode (docs/models.md).
+    compile_scope: Literal["auto", "model", "layer"] = "auto"
     model_cache_dir: str = "./data/models"
     max_model_len: int | None = Field(default=None, ge=16)
 

@@ -165,7 +165,7 @@ def write_and_prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     return out
 
 
-_OP_SCHEMA = ("write_and_prefill(Tensor query, Tensor key, Tensor value, Tensor(a!) kv_pool, int layer, "
+_OP_SCHEMA = ("write_and_prefill(Tensor query, Tensor key, Tensor value, Tensor(a!) kv_pool, SymInt layer, "
              "Tensor write_rows, SymInt num_decodes, Tensor prefill_layout, Tensor prefill_rows, float scaling) "
              "-> Tensor")
 
@@ -196,7 +196,8 @@ def attend_paged(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, me
     query [1, heads, tokens, dim], key and value [1, kv_heads, tokens, dim] -> [tokens, heads, dim].
     Traced, the write and the prefill chunks are one opaque op and the decodes inductor's to fuse."""
     num_decodes = meta.decode_bias.shape[0]
-    k_pool, v_pool = meta.kv_pool[layer, 0], meta.kv_pool[layer, 1]
+    layer_pool = meta.kv_pool.select(0, layer)  # select: a symbolic layer index stays symbolic
+    k_pool, v_pool = layer_pool[0], layer_pool[1]
     if torch.compiler.is_compiling():
         chunks = torch.ops.fairlane.write_and_prefill(query, key, value, meta.kv_pool, layer, meta.write_rows,
                                                       num_decodes, meta.prefill_layout, meta.prefill_rows, scaling)
@@ -226,7 +227,9 @@ def paged_attention_forward(
     if paged_metadata is None:
         raise RuntimeError(f"{ATTENTION_NAME} attention needs paged_metadata; run the model through the runner")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    out = attend_paged(query, key, value, paged_metadata, int(module.layer_idx), scale)  # type: ignore[arg-type]
+    # The index as the module holds it, not int() of it: a regionally compiled layer (gpu/compiled.py) takes
+    # it as a symbolic input, and int() would specialize the graph to one layer.
+    out = attend_paged(query, key, value, paged_metadata, module.layer_idx, scale)  # type: ignore[arg-type]
     return out.unsqueeze(0), None
 
 

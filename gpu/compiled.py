@@ -22,14 +22,18 @@ start loads them instead of compiling.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import hashlib
 import itertools
+import json
 import logging
 import os
 import platform
 import re
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -44,6 +48,10 @@ from gpu.step_inputs import StepInputs
 logger = logging.getLogger(__name__)
 
 CompileMode = Literal["eager", "default", "max"]
+# What one compiled graph covers: the whole step ("model"), or one decoder layer, whose compiled code
+# every layer of the model shares ("layer": regional compilation, with the embedding, the rotary
+# tables and the LM head run eagerly around it).
+CompileScope = Literal["model", "layer"]
 
 # Inductor options of each mode (None: eager). max_autotune times GEMM kernels and keeps the fastest;
 # cpp_wrapper calls the kernels from C++ (SmolLM2, one decode: 36 against 42 ms p50 with Python's wrapper).
@@ -54,12 +62,20 @@ INDUCTOR_OPTIONS: dict[CompileMode, dict[str, Any] | None] = {
 }
 
 
+WarmUpProgress = Callable[[int, int, str], None]  # (steps done, steps in all, the step's label)
+
+
 @dataclass(slots=True, frozen=True)
 class CompileConfig:
     """How the runner's forward runs, and where compiled artifacts are kept."""
 
     mode: CompileMode = "eager"
     cache_dir: str | None = None  # the artifacts' root; None: inductor's own default folder
+    scope: CompileScope = "model"
+    # Compile in a child process running this command (gpu/background_compile.py) and serve eagerly
+    # meanwhile; None: compile now, before the runner is returned.
+    child_command: tuple[str, ...] | None = None
+    on_warm_up_step: WarmUpProgress | None = None  # told after each warm-up step (the child reports them)
 
 
 def machine_key(device: torch.device) -> str:
@@ -76,12 +92,28 @@ def machine_key(device: torch.device) -> str:
     return f"{platform.machine()}-{hashlib.sha256(described.encode()).hexdigest()[:12]}"
 
 
-def artifact_folder(root: str, model_name: str, dtype: torch.dtype, quantization: str, mode: CompileMode,
-                    device: torch.device) -> Path:
-    """One folder per combination that compiles to different code: nothing stale is ever picked up."""
-    readable = re.sub(r"[^A-Za-z0-9_.-]+", "_", Path(model_name).name)[:48]
-    identity = f"{model_name}|{dtype}|{quantization}|{mode}|{torch.__version__}|{machine_key(device)}"
-    return Path(root) / f"{readable}-{hashlib.sha256(identity.encode()).hexdigest()[:16]}"
+# Fields of a model's config that name or describe it without changing what its forward computes.
+_NAMING_FIELDS = ("_name_or_path", "name_or_path", "transformers_version", "architectures", "torch_dtype", "dtype",
+                  "_commit_hash")
+
+
+def architecture_key(config: Any) -> str:
+    """What of a model's config shapes its graph: the architecture and its sizes, not its name or path.
+    The weights are graph inputs (nothing is frozen), so two checkpoints of one architecture share a graph:
+    a fine-tune finds the artifacts its base model left."""
+    described = {key: value for key, value in config.to_dict().items() if key not in _NAMING_FIELDS}
+    text = json.dumps(described, sort_keys=True, default=str)
+    return f"{config.model_type}-{hashlib.sha256(text.encode()).hexdigest()[:12]}"
+
+
+def artifact_folder(root: str, architecture: str, dtype: torch.dtype, variant: str, mode: CompileMode,
+                    scope: CompileScope, device: torch.device) -> Path:
+    """One folder per combination that compiles to different code, and only those: nothing stale is ever
+    picked up, and settings that leave the graph as it is (the KV pool's size, the server's limits, the
+    model's name) share their artifacts. Inductor keys each graph by its content inside the folder too."""
+    identity = f"{architecture}|{dtype}|{variant}|{mode}|{scope}|{torch.__version__}|{machine_key(device)}"
+    readable = re.sub(r"[^A-Za-z0-9_.-]+", "_", architecture.split("-")[0])[:32]
+    return Path(root) / f"{readable}-{scope}-{hashlib.sha256(identity.encode()).hexdigest()[:16]}"
 
 
 def use_artifact_folder(folder: Path) -> None:
@@ -110,7 +142,8 @@ def mark_step_shapes(step: StepInputs, keep: torch.Tensor, lora_mask: torch.Tens
 class PackedForward:
     """`model(packed step) -> float32 logits` of the kept rows, eagerly or through a compiled graph."""
 
-    def __init__(self, model: Any, mode: CompileMode, lora_rows: LoraRows | None = None) -> None:
+    def __init__(self, model: Any, mode: CompileMode, lora_rows: LoraRows | None = None,
+                 scope: CompileScope = "model") -> None:
         self.model = model
         self.mode = mode
         # With LoRA adapters, the step's slot mask is an input of the graph like the paged metadata: set
@@ -122,7 +155,13 @@ class PackedForward:
             # adapter deltas per layer (an opaque op each, see gpu/lora.py) gcc compiled SmolLM2's wrapper for
             # over 18 minutes before it was stopped; the Python wrapper calls them at once.
             options = {key: value for key, value in options.items() if key != "cpp_wrapper"}
-        self._compiled = None if options is None else torch.compile(self._forward, fullgraph=True, options=options)
+        self.scope: CompileScope = scope if options is not None and lora_rows is None else "model"
+        self._compiled: Callable[..., Any] | None = None
+        self._compiled_layer: Callable[..., Any] | None = None  # scope "layer": every decoder layer's forward
+        if options is not None and self.scope == "layer":
+            self._compiled_layer = compile_decoder_layers(model, options)
+        elif options is not None:
+            self._compiled = torch.compile(self._forward, fullgraph=True, options=options)
         self._compilations_at_start = compilations_so_far()
         self._compilations_at_ready: int | None = None  # dynamo's count once warm_up is done
         self.num_graphs = 0  # compiled by warm_up
@@ -131,15 +170,21 @@ class PackedForward:
 
     @property
     def is_compiled(self) -> bool:
-        return self._compiled is not None
+        return self._compiled is not None or self._compiled_layer is not None
 
     def __call__(self, step: StepInputs, keep: torch.Tensor) -> torch.Tensor:
         lora_mask = None if self.lora_rows is None else self.lora_rows.mask
-        if self._compiled is None:
+        if not self.is_compiled:
             return self._forward(step.input_ids, step.positions, keep, step.metadata, lora_mask)
-        mark_step_shapes(step, keep, lora_mask)
         before = compilations_so_far()
-        logits: torch.Tensor = self._compiled(step.input_ids, step.positions, keep, step.metadata, lora_mask)
+        logits: torch.Tensor
+        if self._compiled_layer is not None:
+            with compiled_layers_on_this_thread(self._compiled_layer):
+                logits = self._forward(step.input_ids, step.positions, keep, step.metadata, lora_mask)
+        else:
+            assert self._compiled is not None
+            mark_step_shapes(step, keep, lora_mask)
+            logits = self._compiled(step.input_ids, step.positions, keep, step.metadata, lora_mask)
         if self._compilations_at_ready is not None and compilations_so_far() > before:
             self.recompilations += compilations_so_far() - before
             logger.warning("the forward compiled again during serving (%d tokens, %d logits kept): %d so far",
@@ -164,6 +209,74 @@ class PackedForward:
         self.num_graphs = self._compilations_at_ready - self._compilations_at_start
 
 
+# The compiled layer forward of the regional PackedForward running on each thread (None: eager). Per thread:
+# a background load warms a compiled forward up while the runner's thread steps the eager one, over the
+# same layer modules.
+_REGION = threading.local()
+
+
+@contextlib.contextmanager
+def compiled_layers_on_this_thread(compiled_layer: Callable[..., Any]) -> Iterator[None]:
+    _REGION.compiled_layer = compiled_layer
+    try:
+        yield
+    finally:
+        _REGION.compiled_layer = None
+
+
+def decoder_layers(model: Any) -> torch.nn.ModuleList | None:
+    """The model's stack of decoder layers, all of one class (transformers' `get_decoder().layers`)."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    layers = getattr(decoder, "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList) or not len(layers):
+        return None
+    return layers if len({type(layer) for layer in layers}) == 1 else None
+
+
+def compile_decoder_layers(model: Any, options: dict[str, Any]) -> Callable[..., Any]:
+    """Regional compilation: one compiled function for the decoder layer class, called with each layer
+    as its `self`, so dynamo and inductor trace, lower and build one layer instead of every layer of the
+    model. Each layer's `forward` is routed through `_layer_forward` once; it runs eagerly unless the
+    thread is inside a regional PackedForward's call.
+
+    The layer's index is an input, not a constant (`allow_unspec_int_on_nn_module`): its attention picks
+    the layer's pool with it. The first layer still compiles with the index as a constant, the second
+    finds it changed and compiles the graph every other layer shares: two graphs in all."""
+    layers = decoder_layers(model)
+    if layers is None:
+        raise ValueError(f"{type(model).__name__} has no stack of decoder layers of one class to compile "
+                         "regionally; use the model scope")
+    for layer in layers:
+        if "_fairlane_eager_forward" not in layer.__dict__:
+            layer.__dict__["_fairlane_eager_forward"] = layer.forward  # nn.Module's setattr would want a Module
+            layer.__dict__["forward"] = functools.partial(_layer_forward, layer)
+    compiled = torch.compile(type(layers[0]).forward, fullgraph=True, options=options)
+    patched: Callable[..., Any] = torch._dynamo.config.patch(allow_unspec_int_on_nn_module=True)(compiled)
+    return patched
+
+
+def _layer_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    compiled = getattr(_REGION, "compiled_layer", None)
+    if compiled is None:
+        return layer.__dict__["_fairlane_eager_forward"](hidden_states, *args, **kwargs)
+    mark_layer_shapes(hidden_states, kwargs)
+    return compiled(layer, hidden_states, *args, **kwargs)
+
+
+def mark_layer_shapes(hidden_states: torch.Tensor, kwargs: dict[str, Any]) -> None:
+    """The per-token sizes of a layer's inputs, and the step's layout, vary from step to step."""
+    torch._dynamo.decorators.mark_unbacked(hidden_states, 1)
+    per_token = [kwargs.get("position_ids"), *(kwargs.get("position_embeddings") or ())]
+    for tensor in per_token:
+        if isinstance(tensor, torch.Tensor) and tensor.dim() > 1:
+            torch._dynamo.decorators.mark_unbacked(tensor, 1)
+    metadata = kwargs.get("paged_metadata")
+    if isinstance(metadata, PagedMetadata):
+        for tensor, dims in metadata.varying_dims():
+            for dim in dims:
+                torch._dynamo.decorators.mark_unbacked(tensor, dim)
+
+
 def warm_up_steps(block_size: int, num_blocks: int) -> list[tuple[str, list[ScheduledSequence]]]:
     """Steps of every kind a server meets, over blocks of a still empty pool: one decode, then decodes
     beside a fresh prompt and a chunk that continues a cached context, then a lone prompt chunk. The
@@ -186,17 +299,20 @@ def warm_up_steps(block_size: int, num_blocks: int) -> list[tuple[str, list[Sche
 
 
 def warm_up(forward: PackedForward, compute: Callable[[list[ScheduledSequence]], object], block_size: int,
-            num_blocks: int) -> None:
-    """Compile the graph serving will use before the first request, logging each warm-up step's time."""
+            num_blocks: int, on_step: WarmUpProgress | None = None) -> None:
+    """Compile the graph serving will use before the first request, logging each warm-up step's time.
+    `compute` runs one step through `forward` over a pool of at least `num_blocks` blocks."""
     if not forward.is_compiled:
         return
     steps = warm_up_steps(block_size, num_blocks)
-    logger.info("compiling the forward (mode %s) over %d warm-up steps: minutes on a first start, less on one "
-                "that finds the artifacts on disk", forward.mode, len(steps))
+    logger.info("compiling the forward (mode %s, scope %s) over %d warm-up steps: minutes on a first start, "
+                "seconds on one that finds the artifacts on disk", forward.mode, forward.scope, len(steps))
     started = time.perf_counter()
     for index, (label, sequences) in enumerate(steps, start=1):
         step_started = time.perf_counter()
         compute(sequences)
         logger.info("warm-up step %d of %d (%s): %.1f s", index, len(steps), label, time.perf_counter() - step_started)
+        if on_step is not None:
+            on_step(index, len(steps), label)
     forward.mark_ready(time.perf_counter() - started)
     logger.info("the forward is compiled: %d graphs in %.1f s", forward.num_graphs, forward.compile_seconds)

@@ -12,10 +12,18 @@ import torch
 
 from contract.plan import CacheGeometry, LoraRef, ScheduledSequence, StepPlan, StepResult, StructuredOutput, TierCopies
 from gpu.attention import ATTENTION_NAME
-from gpu.compiled import CompileConfig, PackedForward, artifact_folder, use_artifact_folder, warm_up
+from gpu.background_compile import BackgroundCompile, CompileStatus
+from gpu.compiled import (
+    CompileConfig,
+    PackedForward,
+    architecture_key,
+    artifact_folder,
+    use_artifact_folder,
+    warm_up,
+)
 from gpu.kv_cache import KVShape, PagedKVCache
 from gpu.kv_disk import DiskBlockStore
-from gpu.lora import LoraRuntime, LoraServing
+from gpu.lora import LoraRows, LoraRuntime, LoraServing
 from gpu.models import LoadedModel
 from gpu.prompt_logprobs import prompt_logprobs, prompt_rows
 from gpu.sampler import Sampler
@@ -23,6 +31,10 @@ from gpu.step_inputs import build_step_inputs, decodes_first
 from gpu.structured import GrammarCache, GrammarMatchers, check
 
 logger = logging.getLogger(__name__)
+
+# The pool a background load runs its warm-up steps over: its own, so that they never write into blocks
+# the requests being served hold. warm_up_steps needs about a dozen blocks; the graph takes any pool size.
+SCRATCH_POOL_BLOCKS = 32
 
 
 @dataclass(slots=True, frozen=True)
@@ -95,8 +107,15 @@ class ModelRunner:
                                        budget.block_size, shape.bytes_per_block, max_len, self.cache.num_host_blocks,
                                        0 if disk is None else disk.capacity_blocks,
                                        () if disk is None else tuple(disk.stored()))
-        self.forward = self._packed_forward(compilation)
-        warm_up(self.forward, self.compute_logits, budget.block_size, self.cache.num_device_blocks)
+        self.background: BackgroundCompile | None = None  # set while a child process compiles the forward
+        if compilation.mode != "eager" and compilation.child_command is not None:
+            self.forward = PackedForward(self.model, "eager", self._lora_rows())
+            self.background = BackgroundCompile(compilation.child_command, lambda: self._load_compiled(compilation),
+                                                load_on_step_thread=self.lora is not None)
+        else:
+            self.forward = self._packed_forward(compilation)
+            warm_up(self.forward, self.compute_logits, budget.block_size, self.cache.num_device_blocks,
+                    compilation.on_warm_up_step)
 
     def _disk_tier(self, budget: RunnerBudget, shape: KVShape, max_len: int) -> DiskBlockStore | None:
         """The files of the prefix cache's disk tier, for this model and layout only: a block is valid for
@@ -114,17 +133,44 @@ class ModelRunner:
         return store
 
     def close(self) -> None:
-        """Finish the disk tier's queued writes (a restart finds them)."""
+        """Finish the disk tier's queued writes (a restart finds them); stop a background compilation."""
+        if self.background is not None:
+            self.background.close()
         if self.disk is not None:
             self.disk.close()
 
+    @property
+    def compile_status(self) -> CompileStatus | None:
+        """Where a background compilation stands; None when the forward was ready at start-up."""
+        return None if self.background is None else self.background.status
+
+    def _load_compiled(self, compilation: CompileConfig) -> PackedForward:
+        """The compiled forward, warmed up over a scratch pool of its own (a background load runs beside
+        the steps serving requests, on another thread)."""
+        forward = self._packed_forward(compilation)
+        scratch = PagedKVCache(self.cache.shape, SCRATCH_POOL_BLOCKS, 0, self.device)
+        warm_up(forward, lambda sequences: self._logits(sequences, (), scratch, forward),
+                self.cache.shape.block_size, SCRATCH_POOL_BLOCKS)
+        return forward
+
+    def _take_compiled_forward(self) -> None:
+        """Between two steps: switch to the compiled forward once the background load has it."""
+        assert self.background is not None
+        compiled = self.background.take_ready()
+        if compiled is not None:
+            self.forward = compiled
+            logger.info("steps now run the compiled forward (mode %s)", compiled.mode)
+
     def _packed_forward(self, compilation: CompileConfig) -> PackedForward:
         if compilation.mode != "eager" and compilation.cache_dir is not None:
-            folder = artifact_folder(compilation.cache_dir, self.loaded.name, self.loaded.dtype,
-                                     self._graph_variant(), compilation.mode, self.device)
+            folder = artifact_folder(compilation.cache_dir, architecture_key(self.model.config), self.loaded.dtype,
+                                     self._graph_variant(), compilation.mode, compilation.scope, self.device)
             use_artifact_folder(folder)
             logger.info("compiled artifacts: %s", folder)
-        return PackedForward(self.model, compilation.mode, None if self.lora is None else self.lora.slots.rows)
+        return PackedForward(self.model, compilation.mode, self._lora_rows(), compilation.scope)
+
+    def _lora_rows(self) -> LoraRows | None:
+        return None if self.lora is None else self.lora.slots.rows
 
     def _graph_variant(self) -> str:
         """What besides the model, dtype and mode shapes the graph: the quantization, and the LoRA slots."""
@@ -155,6 +201,8 @@ class ModelRunner:
         check(structured, self.grammars)
 
     def execute(self, plan: StepPlan) -> StepResult:
+        if self.background is not None:
+            self._take_compiled_forward()
         swap_started = time.perf_counter()
         failed_reads = self._copy_between_tiers(plan.tier_copies) if plan.tier_copies else ()
         self.cache.swap_out(plan.swap_out)
@@ -211,11 +259,16 @@ class ModelRunner:
         """One packed forward. Returns float32 logits, one row per sequence that needs a sample,
         in the order given, then one per extra packed-token row. Sequences of one token must come
         first (see `decodes_first`)."""
-        step = build_step_inputs(sequences, self.cache)
+        return self._logits(sequences, extra_rows, self.cache, self.forward)
+
+    @torch.inference_mode()
+    def _logits(self, sequences: Sequence[ScheduledSequence], extra_rows: Sequence[int], cache: PagedKVCache,
+                forward: PackedForward) -> torch.Tensor:
+        step = build_step_inputs(sequences, cache)
         if self.lora is not None:
             self.lora.select([s.lora_slot for s in sequences], [len(s.token_ids) for s in sequences], self.device,
-                             always=self.forward.is_compiled)
+                             always=forward.is_compiled)
         keep = step.logits_indices
         if extra_rows:
             keep = torch.cat([keep, torch.tensor(list(extra_rows), dtype=keep.dtype, device=keep.device)])
-        return self.forward(step, keep)
+        return forward(step, keep)

@@ -43,6 +43,13 @@ def model_cache_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
+def compile_artifacts(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One folder of inductor's artifacts for the whole run: a test that compiles what an earlier one
+    compiled (the same model, dtype, mode and thread count) loads it instead of compiling again."""
+    return tmp_path_factory.mktemp("compile_cache")
+
+
+@pytest.fixture(scope="session")
 def tiny_model() -> LoadedModel:
     """builtin:tiny as the runner gets it, on the test device. Runners switch its attention to the paged
     path, so it is never used as a reference (`tiny_reference` stays on the CPU: tokens compare across

@@ -128,11 +128,14 @@ class OpenAIRoutes:
         if self.context.is_draining:
             return json_response({"status": "draining", "live": True, "ready": False}, 503,
                                  headers={"retry-after": RETRY_AFTER_S})
-        return json_response({"status": "ok", "live": True, "ready": True})
+        compiling = self.context.compile_status()  # ready all the same: steps run eagerly meanwhile
+        return json_response({"status": "ok", "live": True, "ready": True,
+                              **({} if compiling is None else {"compile": compiling})})
 
     async def stats(self, request: Request) -> Response:
         self.context.gate.authorize_operator(request)
-        return json_response({**self.context.engine.stats(), "process": process_stats()})
+        return json_response({**self.context.engine.stats(), "process": process_stats(),
+                              "compile": self.context.compile_status()})
 
     # ---- generation -----------------------------------------------------------------------
 

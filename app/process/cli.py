@@ -10,6 +10,7 @@ import uuid
 from collections.abc import Callable, Sequence
 
 from app.batch.database import StoreError
+from app.process.compile_command import add_compile_command
 from app.process.flags import add_model_flags, settings_from_args
 from app.process.server import add_serve_command
 from app.process.tenants_cli import add_tenants_command
@@ -54,7 +55,8 @@ def run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-APP_COMMANDS: tuple[SubcommandRegistrar, ...] = (add_serve_command, _add_generate, add_tenants_command)
+APP_COMMANDS: tuple[SubcommandRegistrar, ...] = (add_serve_command, add_compile_command, _add_generate,
+                                                 add_tenants_command)
 
 
 def build_parser(extra_commands: Sequence[SubcommandRegistrar] = ()) -> argparse.ArgumentParser:

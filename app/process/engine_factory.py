@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import sys
 from concurrent.futures import ThreadPoolExecutor
 
+import torch
+
 from config.settings import Settings
-from gpu.compiled import CompileConfig
+from gpu.compiled import CompileConfig, CompileMode, CompileScope
 from gpu.lora import LoraServing
 from gpu.models import LoadedModel, load_model
 from gpu.runner import ModelRunner, RunnerBudget
@@ -15,20 +18,42 @@ from scheduling.step_shaper import ShapingConfig
 from tenancy.tenants import TenantRegistry, load_tenants
 from tenancy.vtc import ServiceWeights
 
+# Per mode, the scope `--compile-scope auto` picks (see compile_scope_of).
+AUTO_SCOPE: dict[CompileMode, CompileScope] = {"eager": "model", "default": "model", "max": "model"}
+
 
 def load_model_for(settings: Settings) -> LoadedModel:
     return load_model(settings.model, device=settings.device, dtype=settings.dtype, seed=settings.seed,
                       cache_dir=settings.model_cache_dir, quantization=settings.quantization)
 
 
-def build_runner(settings: Settings, loaded: LoadedModel) -> ModelRunner:
+def build_runner(settings: Settings, loaded: LoadedModel, *, compile_in_background: bool = False) -> ModelRunner:
+    """The runner of the settings. With compile_in_background (and a compiled mode), it serves eagerly at
+    once while a child process compiles its forward; else it compiles before it returns."""
     budget = RunnerBudget(block_size=settings.block_size, kv_cache_bytes=settings.kv_cache_bytes,
                           swap_space_bytes=settings.swap_space_bytes, max_model_len=settings.max_model_len,
                           seed=settings.seed, kv_cache_memory_fraction=settings.kv_cache_memory_fraction,
                           max_num_seqs=settings.max_num_seqs, host_cache_bytes=settings.kv_host_cache_bytes,
                           disk_cache_path=settings.kv_disk_cache_path, disk_cache_bytes=settings.kv_disk_cache_bytes)
-    return ModelRunner(loaded, budget, CompileConfig(settings.compile_mode, settings.compile_cache_dir),
-                       lora_serving_of(settings))
+    child = compile_child_command(settings) if compile_in_background and settings.compile_mode != "eager" else None
+    compilation = CompileConfig(settings.compile_mode, settings.compile_cache_dir, compile_scope_of(settings),
+                                child_command=child)
+    return ModelRunner(loaded, budget, compilation, lora_serving_of(settings))
+
+
+def compile_scope_of(settings: Settings) -> CompileScope:
+    """`auto`: the scope whose step measured faster in this mode (docs/models.md, `fairlane bench compile`)."""
+    if settings.compile_scope != "auto":
+        return settings.compile_scope
+    return AUTO_SCOPE[settings.compile_mode]
+
+
+def compile_child_command(settings: Settings) -> tuple[str, ...]:
+    """`fairlane compile` for these settings, as the child that compiles while the server answers. It
+    runs torch with this thread's thread count: inductor generates its kernels for a number of threads,
+    and artifacts made for another count would not be found by this process."""
+    return (sys.executable, "-m", "app.process.compile_command", "--settings-json", settings.model_dump_json(),
+            "--threads", str(torch.get_num_threads()), "--progress-json", "--exit-with-parent")
 
 
 def lora_serving_of(settings: Settings) -> LoraServing | None:
@@ -64,15 +89,16 @@ def tenants_of(settings: Settings) -> TenantRegistry:
     return load_tenants(settings.tenants_file) if settings.tenants_file else TenantRegistry.single_default()
 
 
-def build_engine(settings: Settings, loaded: LoadedModel | None = None,
-                 tenants: TenantRegistry | None = None) -> tuple[Engine, ModelRunner]:
+def build_engine(settings: Settings, loaded: LoadedModel | None = None, tenants: TenantRegistry | None = None, *,
+                 compile_in_background: bool = False) -> tuple[Engine, ModelRunner]:
     tenants = tenants or tenants_of(settings)  # a bad tenants file stops start-up before the model loads
     # The model loads, compiles and runs every step on one thread. On a CPU, torch's OpenMP threads
     # belong to the thread that launched them: a forward from a second thread after the first had
     # run the model measured 2-2.5x slower on 2 cores (SmolLM2 one-token step: 97 against 37 ms).
     step_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fairlane-step")
     try:
-        runner = step_thread.submit(lambda: build_runner(settings, loaded or load_model_for(settings))).result()
+        runner = step_thread.submit(lambda: build_runner(settings, loaded or load_model_for(settings),
+                                                         compile_in_background=compile_in_background)).result()
     except BaseException:
         step_thread.shutdown()
         raise

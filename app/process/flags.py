@@ -30,7 +30,13 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-disk-cache-bytes", type=int, help="the disk tier's size (default 8 GiB)")
     parser.add_argument("--compile", dest="compile_mode", choices=["eager", "default", "max"],
                         help="the forward run eagerly or compiled by inductor (default; max: autotuned "
-                             "GEMMs and a C++ wrapper); compiled at start-up, cached on disk")
+                             "GEMMs and a C++ wrapper); cached on disk")
+    parser.add_argument("--compile-scope", dest="compile_scope", choices=["auto", "model", "layer"],
+                        help="one graph for the whole step, or one decoder layer's graph shared by every layer "
+                             "(regional: compiles far faster); auto: the faster step in the mode")
+    parser.add_argument("--compile-wait", dest="compile_wait", action="store_true", default=None,
+                        help="compile the forward before serving (default: serve eagerly at once while a child "
+                             "process compiles, then switch to the compiled forward)")
     parser.add_argument("--enable-lora", action="store_true", default=None,
                         help="serve LoRA adapters (peft folders) next to the base model")
     parser.add_argument("--max-loras", type=int, help="adapter slots on the device (default 4)")
@@ -41,8 +47,8 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
 
 
 MODEL_FLAG_KEYS = ("model", "device", "dtype", "quantization", "max_num_seqs", "max_num_batched_tokens",
-                   "kv_cache_bytes", "kv_cache_memory_fraction", "block_size", "compile_mode",
-                   "kv_host_cache_bytes", "kv_disk_cache_path", "kv_disk_cache_bytes",
+                   "kv_cache_bytes", "kv_cache_memory_fraction", "block_size", "compile_mode", "compile_scope",
+                   "compile_wait", "kv_host_cache_bytes", "kv_disk_cache_path", "kv_disk_cache_bytes",
                    "enable_lora", "max_loras", "max_cpu_loras", "max_lora_rank", "lora_modules")
 
 

@@ -202,7 +202,7 @@ def run_serve(args: argparse.Namespace) -> int:
     settings = settings_from_args(args, SERVE_FLAG_KEYS)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     warn_if_unauthenticated(settings)
-    engine, runner = build_engine(settings)
+    engine, runner = build_engine(settings, compile_in_background=not settings.compile_wait)
     context = ServingContext(settings, engine, runner.loaded.tokenizer)
     server = DrainingServer(uvicorn_config(context), context)
     # What start-up made lives as long as the server: out of the garbage collector's full passes, which

@@ -5,11 +5,13 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from app.serving.adapters import AdapterReader, AdapterRegistry, unknown_model
 from app.serving.admission import AdmissionGate
 from config.settings import Settings, SettingsError
 from contract.plan import CacheGeometry
+from gpu.runner import ModelRunner
 from gpu.tokenizer import Tokenizer
 from scheduling.engine import EngineFront
 from scheduling.snapshot import SchedulerSnapshot
@@ -49,6 +51,13 @@ class ServingContext:
         with this same 404."""
         if model != self.model_name and (self.adapters is None or not self.adapters.is_served(model)):
             raise unknown_model(model, self.model_name)
+
+    def compile_status(self) -> dict[str, Any] | None:
+        """How far the forward's background compilation has come (`fairlane serve` answers eagerly until
+        it is done); None when the forward was ready at start-up, or no runner of this process steps."""
+        executor = self.engine.executor
+        status = executor.compile_status if isinstance(executor, ModelRunner) else None
+        return None if status is None else status.as_json()
 
     @property
     def model_name(self) -> str:

@@ -10,7 +10,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -148,8 +148,8 @@ class ServedProcess:
     itself (a number picked here could be taken before it binds) and uvicorn's start-up line on
     stderr says which; a thread keeps reading stderr so that the pipe never fills."""
 
-    def __init__(self, env: dict[str, str]) -> None:
-        self.process = subprocess.Popen([str(FAIRLANE), "serve", "--model", "builtin:tiny", "--port", "0"],
+    def __init__(self, env: dict[str, str], args: Sequence[str] = ()) -> None:
+        self.process = subprocess.Popen([str(FAIRLANE), "serve", "--model", "builtin:tiny", "--port", "0", *args],
                                         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         self.log: list[str] = []
         self.base_url = ""

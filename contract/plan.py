@@ -165,6 +165,9 @@ class StepResult:
     forward_seconds: float = 0.0  # time inside the model forward (for forward_fraction)
     swap_seconds: float = 0.0  # time spent copying blocks between device and CPU
     recompilations: int = 0  # compilations of the forward this step caused after start-up (should stay 0)
+    # The runner switched to another forward before this step (a background compilation was done): the
+    # step times measured before it no longer predict the steps to come.
+    forward_changed: bool = False
     # LoRA slots the runner could not load this step (the adapter's folder went bad since it was checked):
     # (slot, why). The slot is left empty; the scheduler ends that adapter's requests with the reason.
     failed_lora_loads: tuple[tuple[int, str], ...] = ()

@@ -153,13 +153,16 @@ class ModelRunner:
                 self.cache.shape.block_size, SCRATCH_POOL_BLOCKS)
         return forward
 
-    def _take_compiled_forward(self) -> None:
-        """Between two steps: switch to the compiled forward once the background load has it."""
+    def _take_compiled_forward(self) -> bool:
+        """Between two steps: switch to the compiled forward once the background load has it. True when
+        this step is the first to run it."""
         assert self.background is not None
         compiled = self.background.take_ready()
-        if compiled is not None:
-            self.forward = compiled
-            logger.info("steps now run the compiled forward (mode %s)", compiled.mode)
+        if compiled is None:
+            return False
+        self.forward = compiled
+        logger.info("steps now run the compiled forward (mode %s, scope %s)", compiled.mode, compiled.scope)
+        return True
 
     def _packed_forward(self, compilation: CompileConfig) -> PackedForward:
         if compilation.mode != "eager" and compilation.cache_dir is not None:
@@ -201,14 +204,14 @@ class ModelRunner:
         check(structured, self.grammars)
 
     def execute(self, plan: StepPlan) -> StepResult:
-        if self.background is not None:
-            self._take_compiled_forward()
+        forward_changed = self.background is not None and self._take_compiled_forward()
         swap_started = time.perf_counter()
         failed_reads = self._copy_between_tiers(plan.tier_copies) if plan.tier_copies else ()
         self.cache.swap_out(plan.swap_out)
         self.cache.swap_in(plan.swap_in)
         result = StepResult(swap_seconds=time.perf_counter() - swap_started, failed_disk_reads=failed_reads,
-                            lost_disk_blocks=tuple(self.disk.take_lost()) if self.disk is not None else ())
+                            lost_disk_blocks=tuple(self.disk.take_lost()) if self.disk is not None else (),
+                            forward_changed=forward_changed)
         self.sampler.forget(plan.finished_request_ids)
         self.matchers.forget(plan.finished_request_ids)
         if self.lora is not None:

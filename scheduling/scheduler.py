@@ -504,6 +504,8 @@ class Scheduler:
             if result.failed_lora_loads else []  # nearly always empty: no call on the common step
         if result.lost_disk_blocks or result.failed_disk_reads:
             self.blocks.tiers_lost(result.lost_disk_blocks, result.failed_disk_reads)
+        if result.forward_changed:
+            self.shaper.cost_model.forget()
         sampled_by_class: dict[PriorityClass, dict[str, int]] = {c: {} for c in CLASSES}  # per tenant
         requests, block_size, max_model_len = self.requests, self.geometry.block_size, self.geometry.max_model_len
         sampled_tokens, logprobs_of, prompt_logprobs_of = (result.sampled_token_ids, result.logprobs,

@@ -85,6 +85,15 @@ class StepCostModel:
     def predict(self, work: StepWork) -> float | None:
         return None if self.coefficients is None else self.coefficients.predict(work)
 
+    def forget(self) -> None:
+        """Drop every step seen: they were run by another forward (the eager one, before the compiled one
+        took over), and a fit over both would predict neither. Nothing is predicted until min_samples
+        steps of the new forward have been seen."""
+        self._samples.clear()
+        self._errors.clear()
+        self._since_fit = 0
+        self.coefficients = self.median_error = None
+
     def observe(self, work: StepWork, measured_s: float) -> None:
         """Record a step that took measured_s; its prediction, if there was one, counts toward the error."""
         predicted = self.predict(work)

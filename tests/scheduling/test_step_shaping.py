@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import pytest
 
 from benchmarks.fake_executors import FakeExecutor
-from contract.plan import StepPlan
+from contract.plan import SamplingParams, ScheduledSequence, StepPlan, StepResult
 from scheduling.request import PriorityClass, Request
 from scheduling.scheduler import Scheduler, SchedulerConfig
 from scheduling.step_cost import StepCostModel, StepWork
@@ -62,6 +62,28 @@ def test_cost_model_predicts_nothing_before_it_has_seen_enough_steps() -> None:
     for _ in range(15):
         model.observe(StepWork(tokens=4, sequences=4), 0.01)
     assert model.predict(StepWork(tokens=4, sequences=4)) is None
+
+
+def test_a_changed_forward_makes_the_model_forget_the_old_step_times() -> None:
+    """The runner reports the first step of its compiled forward (a background compilation ended): the
+    eager steps before it would make every prediction several times too long, so they are dropped, and
+    the model predicts again once it has seen enough steps of the new forward."""
+    scheduler = make_scheduler()
+    slow, fast = KnownCost(fixed_s=0.050, per_token_s=0.010), KnownCost()
+    for _ in range(32):
+        scheduler.observe_step_time(plan_of_tokens(4), slow.seconds(plan_of_tokens(4)))
+    model = scheduler.shaper.cost_model
+    assert model.predict(StepWork(tokens=4, sequences=1)) == pytest.approx(slow.seconds(plan_of_tokens(4)), rel=0.05)
+
+    scheduler.update(StepPlan(), StepResult(forward_changed=True))
+    assert model.predict(StepWork(tokens=4, sequences=1)) is None
+    for _ in range(model.min_samples):
+        scheduler.observe_step_time(plan_of_tokens(4), fast.seconds(plan_of_tokens(4)))
+    assert model.predict(StepWork(tokens=4, sequences=1)) == pytest.approx(fast.seconds(plan_of_tokens(4)), rel=0.05)
+
+
+def plan_of_tokens(num_tokens: int) -> StepPlan:
+    return StepPlan([ScheduledSequence("r", [1] * num_tokens, 0, (0,), True, SamplingParams())])
 
 
 # ---- shaping -----------------------------------------------------------------------------------

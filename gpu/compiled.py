@@ -256,7 +256,8 @@ def compile_decoder_layers(model: Any, options: dict[str, Any]) -> Callable[...,
 
 
 def _layer_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-    compiled = getattr(_REGION, "compiled_layer", None)
+    # Inside a whole-model graph being traced, the layer is traced as it is (the thread-local is not read).
+    compiled = None if torch.compiler.is_compiling() else getattr(_REGION, "compiled_layer", None)
     if compiled is None:
         return layer.__dict__["_fairlane_eager_forward"](hidden_states, *args, **kwargs)
     mark_layer_shapes(hidden_states, kwargs)

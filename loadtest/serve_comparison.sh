@@ -52,7 +52,7 @@ for mode in ${modes//,/ }; do
   IFS=: read -r dtype quantization compile <<<"$mode"
   label="fairlane-${mode//:/-}"
   run_one "$label" "$bin/fairlane" serve --port "$port" --dtype "$dtype" --quantization "$quantization" \
-    ${compile:+--compile "$compile"} ${DEVICE:+--device "$DEVICE"} --max-num-seqs 64
+    ${compile:+--compile "$compile" --compile-wait} ${DEVICE:+--device "$DEVICE"} --max-num-seqs 64
   reports+=("$out/$label.json")
 done
 "$bin/fairlane" bench serve --compare "${reports[@]}" | tee "$out/compare.txt"

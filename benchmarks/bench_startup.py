@@ -60,6 +60,7 @@ class Server:
                "FAIRLANE_COMPILE_CACHE_DIR": str(folder / "compile_cache"),
                "FAIRLANE_BATCH_DB_PATH": str(folder / "fairlane.db")}
         fairlane = Path(sys.executable).with_name("fairlane")
+        self.model = args.model
         self.launched = time.monotonic()
         self.process = subprocess.Popen([str(fairlane), "serve", "--model", args.model, "--port", "0",
                                          *args.serve_args.split()], env=env, stdout=subprocess.DEVNULL,
@@ -102,8 +103,8 @@ class Server:
     def complete(self, max_tokens: int) -> float:
         started = time.monotonic()
         response = httpx.post(f"{self.base_url}/v1/chat/completions", timeout=600,
-                              json={"messages": PROMPT, "max_tokens": max_tokens, "temperature": 0,
-                                    "ignore_eos": True})
+                              json={"model": self.model, "messages": PROMPT, "max_tokens": max_tokens,
+                                    "temperature": 0, "ignore_eos": True})
         response.raise_for_status()
         return round(time.monotonic() - started, 3)
 

@@ -34,6 +34,8 @@ from gpu.compiled import PackedForward
 
 logger = logging.getLogger(__name__)
 
+LOAD_SWITCH_INTERVAL_S = 0.0005
+
 CompileState = Literal["compiling", "loading", "ready", "failed", "stopped"]
 
 
@@ -73,19 +75,36 @@ class BackgroundCompile:
     (or, with `load_on_step_thread`, in the runner's next step: LoRA adapters keep per-step state on the
     model that a second thread's forward would overwrite)."""
 
-    def __init__(self, command: Sequence[str], load: Callable[[], PackedForward], *,
+    def __init__(self, command: Sequence[str] | None, load: Callable[[], PackedForward], *,
                  load_on_step_thread: bool = False) -> None:
+        """command: the compiling child; None when the artifacts are on disk already (only the load runs)."""
         self._load = load
         self._load_on_step_thread = load_on_step_thread
         self._lock = threading.Lock()
         self._status = CompileStatus("compiling", started_at=time.monotonic())
         self._ready: PackedForward | None = None
-        self._child_done = False
+        self._load_due = False
         self._is_closing = False
-        logger.info("serving eagerly while a child process compiles the forward: %s", " ".join(command))
-        # stderr is inherited: the child's own log lines land in the server's log.
-        self._child = subprocess.Popen(list(command), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        self._watcher = threading.Thread(target=self._follow, name="fairlane-compile-watch", daemon=True)
+        self._command = command
+        self._child: subprocess.Popen[str] | None = None
+        self._watcher: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Start compiling (or loading). Called once the server is up: a load in a thread of this process
+        competes for the GIL, and the server's own start-up would wait on it."""
+        if self._watcher is not None:
+            return
+        self._status = CompileStatus("compiling", started_at=time.monotonic())
+        if self._command is None:
+            logger.info("serving eagerly while the compiled forward loads from its artifacts")
+            self._set(state="loading")
+            self._watcher = threading.Thread(target=self._hand_over, name="fairlane-compile-load", daemon=True)
+        else:
+            logger.info("serving eagerly while a child process compiles the forward: %s", " ".join(self._command))
+            # stderr is inherited: the child's own log lines land in the server's log.
+            self._child = subprocess.Popen(list(self._command), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                           text=True)
+            self._watcher = threading.Thread(target=self._follow, name="fairlane-compile-watch", daemon=True)
         self._watcher.start()
 
     @property
@@ -95,8 +114,8 @@ class BackgroundCompile:
     def take_ready(self) -> PackedForward | None:
         """The compiled forward once, when it is ready; call it on the runner's thread between steps."""
         with self._lock:
-            if self._child_done and self._load_on_step_thread:
-                self._child_done = False
+            if self._load_due and self._load_on_step_thread:
+                self._load_due = False
                 self._run_load()
             ready, self._ready = self._ready, None
             return ready
@@ -104,16 +123,17 @@ class BackgroundCompile:
     def close(self) -> None:
         """Stop the child if it still runs (the server is stopping)."""
         self._is_closing = True
-        if self._child.poll() is None:
+        if self._child is not None and self._child.poll() is None:
             self._child.terminate()
             try:
                 self._child.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 self._child.kill()
-        if threading.current_thread() is not self._watcher:
+        if self._child is not None and self._watcher is not None and threading.current_thread() is not self._watcher:
             self._watcher.join(timeout=30)  # it closes the child's pipes
 
     def _follow(self) -> None:
+        assert self._child is not None
         stdout, stdin = self._child.stdout, self._child.stdin
         assert stdout is not None and stdin is not None
         with stdout:
@@ -129,9 +149,13 @@ class BackgroundCompile:
         self._set(state="loading")
         logger.info("the child process compiled the forward in %.0f s; loading its artifacts",
                     time.monotonic() - self._status.started_at)
+        self._hand_over()
+
+    def _hand_over(self) -> None:
+        """Load the artifacts here, or leave the load to the runner's next step."""
         if self._load_on_step_thread:
             with self._lock:
-                self._child_done = True
+                self._load_due = True
         else:
             self._run_load()
 
@@ -148,12 +172,19 @@ class BackgroundCompile:
                             time.monotonic() - self._status.started_at)
 
     def _run_load(self) -> None:
+        # The load is seconds of Python (dynamo traces the model again) holding the GIL, and every eager
+        # op of the runner's thread gives the GIL up and waits for it again: a shorter switch interval
+        # bounds each wait (SmolLM2, a 32-token answer during the load: 29.6 s at CPython's 5 ms).
+        interval = sys.getswitchinterval()
+        sys.setswitchinterval(min(interval, LOAD_SWITCH_INTERVAL_S))
         try:
             forward = self._load()
         except Exception as exc:  # the runner goes on eagerly: a failed compile must not stop serving
             logger.exception("loading the compiled forward failed")
             self._fail(f"{type(exc).__name__}: {exc}")
             return
+        finally:
+            sys.setswitchinterval(interval)
         self._ready = forward
         self._set(state="ready", finished_at=time.monotonic())
         logger.info("the compiled forward is ready, %.0f s after start-up (%d graphs, loaded in %.1f s); the next "

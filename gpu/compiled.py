@@ -116,6 +116,18 @@ def artifact_folder(root: str, architecture: str, dtype: torch.dtype, variant: s
     return Path(root) / f"{readable}-{scope}-{hashlib.sha256(identity.encode()).hexdigest()[:16]}"
 
 
+def compiled_marker(folder: Path, block_size: int) -> Path:
+    """Written into the artifact folder once a warm-up has compiled every graph into it, so that a later
+    start loads the artifacts at once instead of starting a compiling child first. Per block size and
+    thread count: both shape the kernels, and neither keys the folder."""
+    return folder / f"compiled-block{block_size}-threads{torch.get_num_threads()}.json"
+
+
+def mark_compiled(folder: Path, block_size: int, forward: PackedForward) -> None:
+    marker = {"graphs": forward.num_graphs, "seconds": round(forward.compile_seconds, 1), "scope": forward.scope}
+    compiled_marker(folder, block_size).write_text(json.dumps(marker))
+
+
 def use_artifact_folder(folder: Path) -> None:
     """Point inductor's on-disk caches (FX graphs, AOT autograd, kernels) at the folder. Inductor reads
     this variable whenever it opens its cache, so it must be set before the first compilation."""

@@ -6,6 +6,7 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import psutil
 import torch
@@ -18,6 +19,8 @@ from gpu.compiled import (
     PackedForward,
     architecture_key,
     artifact_folder,
+    compiled_marker,
+    mark_compiled,
     use_artifact_folder,
     warm_up,
 )
@@ -107,15 +110,22 @@ class ModelRunner:
                                        budget.block_size, shape.bytes_per_block, max_len, self.cache.num_host_blocks,
                                        0 if disk is None else disk.capacity_blocks,
                                        () if disk is None else tuple(disk.stored()))
-        self.background: BackgroundCompile | None = None  # set while a child process compiles the forward
+        self.artifact_folder = self._artifact_folder(compilation)
+        self.background: BackgroundCompile | None = None  # set while the forward is compiled after start-up
         if compilation.mode != "eager" and compilation.child_command is not None:
             self.forward = PackedForward(self.model, "eager", self._lora_rows())
-            self.background = BackgroundCompile(compilation.child_command, lambda: self._load_compiled(compilation),
+            # A folder a warm-up has filled before: no child to wait for, the artifacts are loaded at once.
+            found = (self.artifact_folder is not None
+                     and compiled_marker(self.artifact_folder, budget.block_size).is_file())
+            self.background = BackgroundCompile(None if found else compilation.child_command,
+                                                lambda: self._load_compiled(compilation),
                                                 load_on_step_thread=self.lora is not None)
         else:
             self.forward = self._packed_forward(compilation)
             warm_up(self.forward, self.compute_logits, budget.block_size, self.cache.num_device_blocks,
                     compilation.on_warm_up_step)
+            if self.artifact_folder is not None and self.forward.is_compiled:
+                mark_compiled(self.artifact_folder, budget.block_size, self.forward)
 
     def _disk_tier(self, budget: RunnerBudget, shape: KVShape, max_len: int) -> DiskBlockStore | None:
         """The files of the prefix cache's disk tier, for this model and layout only: a block is valid for
@@ -138,6 +148,11 @@ class ModelRunner:
             self.background.close()
         if self.disk is not None:
             self.disk.close()
+
+    def start_compiling(self) -> None:
+        """Start the background compilation, if this runner has one (once the server is up)."""
+        if self.background is not None:
+            self.background.start()
 
     @property
     def compile_status(self) -> CompileStatus | None:
@@ -164,12 +179,16 @@ class ModelRunner:
         logger.info("steps now run the compiled forward (mode %s, scope %s)", compiled.mode, compiled.scope)
         return True
 
+    def _artifact_folder(self, compilation: CompileConfig) -> Path | None:
+        if compilation.mode == "eager" or compilation.cache_dir is None:
+            return None
+        return artifact_folder(compilation.cache_dir, architecture_key(self.model.config), self.loaded.dtype,
+                               self._graph_variant(), compilation.mode, compilation.scope, self.device)
+
     def _packed_forward(self, compilation: CompileConfig) -> PackedForward:
-        if compilation.mode != "eager" and compilation.cache_dir is not None:
-            folder = artifact_folder(compilation.cache_dir, architecture_key(self.model.config), self.loaded.dtype,
-                                     self._graph_variant(), compilation.mode, compilation.scope, self.device)
-            use_artifact_folder(folder)
-            logger.info("compiled artifacts: %s", folder)
+        if self.artifact_folder is not None:
+            use_artifact_folder(self.artifact_folder)
+            logger.info("compiled artifacts: %s", self.artifact_folder)
         return PackedForward(self.model, compilation.mode, self._lora_rows(), compilation.scope)
 
     def _lora_rows(self) -> LoraRows | None:

@@ -64,6 +64,7 @@ def create_app(context: ServingContext) -> ASGIApp:
         await context.engine.start()
         batches.runner.start()
         await responses.start()
+        context.start_compiling()
         try:
             yield
         finally:

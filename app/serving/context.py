@@ -52,6 +52,12 @@ class ServingContext:
         if model != self.model_name and (self.adapters is None or not self.adapters.is_served(model)):
             raise unknown_model(model, self.model_name)
 
+    def start_compiling(self) -> None:
+        """The runner's background compilation starts once the server is up (app lifespan)."""
+        executor = self.engine.executor
+        if isinstance(executor, ModelRunner):
+            executor.start_compiling()
+
     def compile_status(self) -> dict[str, Any] | None:
         """How far the forward's background compilation has come (`fairlane serve` answers eagerly until
         it is done); None when the forward was ready at start-up, or no runner of this process steps."""

@@ -275,7 +275,6 @@ class ModelRunner:
         self.cache.onload(copies.onloads)
         return tuple(failed)
 
-    @torch.inference_mode()
     def compute_logits(self, sequences: Sequence[ScheduledSequence], extra_rows: Sequence[int] = ()
                        ) -> torch.Tensor:
         """One packed forward. Returns float32 logits, one row per sequence that needs a sample,

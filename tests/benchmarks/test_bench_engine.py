@@ -8,10 +8,14 @@ from typing import Any
 
 import pytest
 
-from benchmarks.cli import main
+from app.process.cli import build_parser
+from benchmarks.bench_engine import EngineBenchOptions, options_from_args
+from benchmarks.cli import add_bench_command, main
 from benchmarks.common import WorkloadSpec, make_workload
+from tests.isolation import in_fresh_process
 
 SYSTEMS = ("fairlane", "hf_static", "hf_continuous")
+PEERS = ("hf_static", "hf_continuous")
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +44,7 @@ def test_every_system_generates_exactly_the_requested_tokens(report: dict[str, A
 
 def test_report_has_ratios_forward_fraction_and_memory(report: dict[str, Any]) -> None:
     ours = report["systems"]["fairlane"]["tokens_per_s"]
-    for peer in ("hf_static", "hf_continuous"):
+    for peer in PEERS:
         assert report["ratios"][f"vs_{peer}"] == pytest.approx(ours / report["systems"][peer]["tokens_per_s"])
     assert 0 < report["forward_fraction"] <= 1
     assert report["peak_rss_mib"] >= max(s["peak_rss_mib"] for s in report["systems"].values())
@@ -65,19 +69,32 @@ def test_an_unknown_system_is_refused_before_anything_runs() -> None:
         main(["bench", "engine", "--model", "builtin:tiny", "--systems", "fairlane,vllm", "--in-process"])
 
 
+def options_of(*flags: str) -> EngineBenchOptions:
+    return options_from_args(build_parser((add_bench_command,)).parse_args(["bench", "engine", *flags]))
+
+
+def test_hf_compile_same_gives_the_baselines_the_engines_mode() -> None:
+    assert options_of("--compile", "default").hf_compile == "default"
+    assert options_of("--compile", "max", "--hf-compile", "same").hf_compile == "max"
+    assert options_of("--compile", "max", "--hf-compile", "eager").hf_compile == "eager"
+
+
 @pytest.mark.slow
+@in_fresh_process  # the baselines compile in this process: what dynamo keeps stays out of later tests
 def test_compiled_baselines_run_through_inductor_and_still_agree(tmp_path: Path) -> None:
-    """With `--hf-compile same`, both baselines compile with the engine's mode (each in a process of its own,
-    so no compiled state is left in this one), and greedy tokens still equal the engine's."""
+    """With `--hf-compile default` both baselines compile through inductor, and their greedy tokens still equal the
+    (eager) engine's. The systems share one process, so dynamo's count of graphs runs on from one to the next:
+    hf_static's is its own, and hf_continuous compiled graphs of its own when its count is higher."""
     out = tmp_path / "engine.json"
     code = main(["bench", "engine", "--model", "builtin:tiny", "--requests", "2", "--seed", "3",
                  "--prompt-len", "8:16", "--output-len", "4:8", "--static-batch-size", "2",
                  "--kv-cache-bytes", str(4 * 1024 * 1024), "--max-num-seqs", "4", "--max-num-batched-tokens", "64",
-                 "--compile", "default", "--hf-compile", "same", "--out", str(out)])
+                 "--compile", "eager", "--hf-compile", "default", "--in-process", "--out", str(out)])
     assert code == 0
     report = json.loads(out.read_text())
     assert report["config"]["hf_compile"] == "default"
-    for peer in ("hf_static", "hf_continuous"):
+    for peer in PEERS:
         assert report["systems"][peer]["compile"] == "default", peer
-        assert report["systems"][peer]["compiled_graphs"] >= 1, peer
+    num_static, num_continuous = (report["systems"][peer]["compiled_graphs"] for peer in PEERS)
+    assert 1 <= num_static < num_continuous
     assert report["greedy_match"] == {"hf_static": 1.0, "hf_continuous": 1.0}

@@ -1,5 +1,7 @@
 """Real servers for the HTTP tests: uvicorn on a loopback port, in a background thread.
 
+Each can also be reached in-process (`in_process_client`), as the API and fuzz tests do.
+
 Two kinds: the `builtin:tiny` model with a small KV budget (what the openai client, disconnect and
 overload tests talk to), and the instant executor with a byte tokenizer, whose output is a known
 script (framing, stop strings, UTF-8, validation fuzzing) at no model cost.
@@ -13,9 +15,11 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
+import httpx
 import pytest
+from starlette.types import ASGIApp
 
 from app.process.engine_factory import build_runner, scheduler_config_of, tenants_of
 from app.process.server import DrainingServer, uvicorn_config
@@ -65,6 +69,26 @@ class RecordingEngine(Engine):
         return super().submit(request)
 
 
+class InProcessTransport(httpx.BaseTransport):
+    """A blocking httpx transport over httpx's ASGITransport, run on the server's event loop. The body
+    comes back whole (ASGITransport reads it to its end), and the client's read timeout bounds the wait."""
+
+    def __init__(self, app: ASGIApp, loop: asyncio.AbstractEventLoop) -> None:
+        # An exception escaping the app is what uvicorn would turn into a 500: the test sees the 500.
+        self._app = httpx.ASGITransport(app=app, raise_app_exceptions=False, client=("127.0.0.1", 1))
+        self._loop = loop
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        whole = httpx.Request(request.method, request.url, headers=request.headers, content=request.read())
+        timeout_s = request.extensions.get("timeout", {}).get("read")
+        return asyncio.run_coroutine_threadsafe(self._send(whole), self._loop).result(timeout=timeout_s)
+
+    async def _send(self, request: httpx.Request) -> httpx.Response:
+        response = await self._app.handle_async_request(request)
+        body = await response.aread()
+        return httpx.Response(response.status_code, headers=response.headers, content=body, request=request)
+
+
 class ServerThread:
     """A DrainingServer on 127.0.0.1, an OS-chosen port, its own event loop in a thread."""
 
@@ -99,6 +123,16 @@ class ServerThread:
         self.server.request_shutdown()
         self._thread.join(timeout=30)
         assert not self._thread.is_alive(), "uvicorn did not stop"
+
+    def in_process_client(self, timeout: float = 30.0) -> httpx.Client:
+        """A client that hands each request straight to this server's app, on its event loop: the same
+        app, engine and lifespan as over the socket, without the socket and uvicorn's parsing. For the
+        many requests of the API and fuzz tests, not for what needs a connection (disconnects, slow or
+        chunked bodies, header timeouts, connection limits) or a response read before it ends."""
+        assert self.server.loop is not None, "start the server first"
+        app = cast(ASGIApp, self.server.config.app)  # what uvicorn serves: the app and its HTTP limits
+        return httpx.Client(transport=InProcessTransport(app, self.server.loop),
+                            base_url="http://127.0.0.1", timeout=timeout)
 
     def stats(self) -> dict[str, Any]:
         """The engine's /stats, read on the server's event loop (no admin key needed)."""

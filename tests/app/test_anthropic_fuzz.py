@@ -80,7 +80,7 @@ requests = st.tuples(st.just("/v1/messages"), mostly(messages_bodies, shapeless_
 @pytest.fixture(scope="module")
 def http(instant_server: ServerThread) -> Iterator[httpx.Client]:
     # The timeout is the "no hang" check: the instant model answers any of these at once.
-    with httpx.Client(base_url=instant_server.base_url, timeout=30) as client:
+    with instant_server.in_process_client(timeout=30) as client:
         yield client
 
 

@@ -15,7 +15,7 @@ from tests.app.conftest import ServerThread, instant_context
 
 @pytest.fixture
 def http(instant_server: ServerThread) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=instant_server.base_url, timeout=30) as client:
+    with instant_server.in_process_client(timeout=30) as client:
         yield client
 
 
@@ -187,14 +187,15 @@ def test_body_over_the_limit_is_413_by_content_length(http: httpx.Client, instan
     assert_error(response, 413, code="request_too_large", says=str(limit))
 
 
-def test_body_over_the_limit_is_413_while_streaming_in(http: httpx.Client, instant_server: ServerThread) -> None:
+def test_body_over_the_limit_is_413_while_streaming_in(instant_server: ServerThread) -> None:
     limit = instant_server.context.settings.max_body_bytes
 
-    def chunks() -> Iterator[bytes]:  # no Content-Length: sent chunked
+    def chunks() -> Iterator[bytes]:  # no Content-Length: sent chunked, over the socket
         for _ in range(limit // 1024 + 2):
             yield b" " * 1024
 
-    assert_error(http.post("/v1/completions", content=chunks()), 413, code="request_too_large")
+    with httpx.Client(base_url=instant_server.base_url, timeout=30) as http:
+        assert_error(http.post("/v1/completions", content=chunks()), 413, code="request_too_large")
 
 
 def test_overload_is_503_with_retry_after(start_tiny_server: Callable[..., ServerThread]) -> None:

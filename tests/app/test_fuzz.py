@@ -86,7 +86,7 @@ requests = st.tuples(st.just("/v1/chat/completions"), chat_bodies | shapeless_bo
 
 @pytest.fixture(scope="module")
 def http(instant_server: ServerThread) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=instant_server.base_url, timeout=30) as client:
+    with instant_server.in_process_client(timeout=30) as client:
         yield client
 
 

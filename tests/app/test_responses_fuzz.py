@@ -67,7 +67,7 @@ ids = st.text(alphabet=string.ascii_letters + string.digits + "_-", min_size=1, 
 
 @pytest.fixture(scope="module")
 def http(instant_server: ServerThread) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=instant_server.base_url, timeout=30) as client:
+    with instant_server.in_process_client(timeout=30) as client:
         yield client
 
 

@@ -22,7 +22,7 @@ NUM_TOKENS = 100  # ends on a whole character: the script's multi-byte ones are 
 
 @pytest.fixture
 def http(instant_server: ServerThread) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=instant_server.base_url, timeout=30) as client:
+    with instant_server.in_process_client(timeout=30) as client:
         yield client
 
 

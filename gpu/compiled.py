@@ -1,6 +1,8 @@
 """The runner's packed forward, eager or compiled with torch.compile (inductor).
 
-One graph covers the whole step: embeddings, every layer and the LM head. In the attention, the pool
+By default one graph covers the whole step: embeddings, every layer and the LM head (scope "model";
+scope "layer" compiles one decoder layer that every layer shares, see `compile_decoder_layers`: a
+16x shorter compile, a slower step, docs/models.md). In the attention, the pool
 write and the prefill chunks are a registered op and the decodes are traced (gpu/attention.py), so
 nothing breaks the graph. Every size that
 changes from step to step is unbacked: the token count, how many logits are kept, and the step
@@ -9,15 +11,16 @@ serves a lone decode, 64 decodes and any mix of decodes and prefill chunks. (A s
 for one token measured no faster: 39.5 against 40.0 ms p50 for SmolLM2 in float32, and it doubled
 the start-up.) The KV pool's size is unbacked too, so the artifacts of one start serve the next even
 when its pool is sized differently.
-The graph is compiled at start-up (`warm_up`), so a request never pays for a compilation; one that
-happens later all the same is logged and counted (`recompilations`).
+The graph is compiled over warm-up steps (`warm_up`), at start-up or in the background while the
+runner serves eagerly (gpu/background_compile.py), so a request never pays for a compilation; one
+that happens later all the same is logged and counted (`recompilations`).
 
 Modes: `eager`, `default` (inductor's defaults), `max` (max-autotune's choice of GEMM kernels, and a
 C++ wrapper that launches the kernels without Python between them). Frozen weights (inductor's
 `freezing`) measured no faster here and made every start re-trace: its graphs skip the AOT autograd
 cache, so a later start compiled in 53-64 s instead of 18 s. Inductor keeps its artifacts on
-disk under a folder keyed by model, dtype, quantization, mode, torch version and machine: a second
-start loads them instead of compiling.
+disk under a folder keyed by the model's architecture, dtype, quantization, mode, scope, torch version
+and machine (`artifact_folder`): a second start loads them instead of compiling.
 """
 
 from __future__ import annotations

@@ -143,11 +143,15 @@ def compilations_so_far() -> int:
     return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
 
 
-def mark_step_shapes(step: StepInputs, keep: torch.Tensor, lora_mask: torch.Tensor | None = None) -> None:
-    """Tell dynamo which sizes vary from step to step (see the module's note)."""
-    for tensor, dims in step.metadata.varying_dims():  # the pool too: its size must not key the artifacts
+def mark_metadata_shapes(metadata: PagedMetadata) -> None:
+    for tensor, dims in metadata.varying_dims():  # the pool too: its size must not key the artifacts
         for dim in dims:
             torch._dynamo.decorators.mark_unbacked(tensor, dim)
+
+
+def mark_step_shapes(step: StepInputs, keep: torch.Tensor, lora_mask: torch.Tensor | None = None) -> None:
+    """Tell dynamo which sizes vary from step to step (see the module's note)."""
+    mark_metadata_shapes(step.metadata)
     for tensor, dim in ((step.input_ids, 1), (step.positions, 1), (keep, 0)):
         torch._dynamo.decorators.mark_unbacked(tensor, dim)
     if lora_mask is not None:  # a row per packed token
@@ -194,6 +198,7 @@ class PackedForward:
         before = compilations_so_far()
         logits: torch.Tensor
         if self._compiled_layer is not None:
+            mark_metadata_shapes(step.metadata)  # once per step: every layer gets the same metadata
             with compiled_layers_on_this_thread(self._compiled_layer):
                 logits = self._forward(step.input_ids, step.positions, keep, step.metadata, lora_mask)
         else:
@@ -280,17 +285,13 @@ def _layer_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, *args: A
 
 
 def mark_layer_shapes(hidden_states: torch.Tensor, kwargs: dict[str, Any]) -> None:
-    """The per-token sizes of a layer's inputs, and the step's layout, vary from step to step."""
+    """The per-token sizes of a layer's inputs vary from step to step (the step's metadata is marked once
+    per step, by the PackedForward)."""
     torch._dynamo.decorators.mark_unbacked(hidden_states, 1)
     per_token = [kwargs.get("position_ids"), *(kwargs.get("position_embeddings") or ())]
     for tensor in per_token:
         if isinstance(tensor, torch.Tensor) and tensor.dim() > 1:
             torch._dynamo.decorators.mark_unbacked(tensor, 1)
-    metadata = kwargs.get("paged_metadata")
-    if isinstance(metadata, PagedMetadata):
-        for tensor, dims in metadata.varying_dims():
-            for dim in dims:
-                torch._dynamo.decorators.mark_unbacked(tensor, dim)
 
 
 def warm_up_steps(block_size: int, num_blocks: int) -> list[tuple[str, list[ScheduledSequence]]]:

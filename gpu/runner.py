@@ -111,7 +111,8 @@ class ModelRunner:
                                        0 if disk is None else disk.capacity_blocks,
                                        () if disk is None else tuple(disk.stored()))
         self.artifact_folder = self._artifact_folder(compilation)
-        self.background: BackgroundCompile | None = None  # set while the forward is compiled after start-up
+        self.background: BackgroundCompile | None = None  # set when the forward is compiled after start-up
+        self._awaits_compiled = False  # until the switch: each step asks the background compile, then none
         if compilation.mode != "eager" and compilation.child_command is not None:
             self.forward = PackedForward(self.model, "eager", self._lora_rows())
             # A folder a warm-up has filled before: no child to wait for, the artifacts are loaded at once.
@@ -120,6 +121,7 @@ class ModelRunner:
             self.background = BackgroundCompile(None if found else compilation.child_command,
                                                 lambda: self._load_compiled(compilation),
                                                 load_on_step_thread=self.lora is not None)
+            self._awaits_compiled = True
         else:
             self.forward = self._packed_forward(compilation)
             warm_up(self.forward, self.compute_logits, budget.block_size, self.cache.num_device_blocks,
@@ -176,6 +178,7 @@ class ModelRunner:
         if compiled is None:
             return False
         self.forward = compiled
+        self._awaits_compiled = False
         logger.info("steps now run the compiled forward (mode %s, scope %s)", compiled.mode, compiled.scope)
         return True
 
@@ -223,7 +226,7 @@ class ModelRunner:
         check(structured, self.grammars)
 
     def execute(self, plan: StepPlan) -> StepResult:
-        forward_changed = self.background is not None and self._take_compiled_forward()
+        forward_changed = self._awaits_compiled and self._take_compiled_forward()
         swap_started = time.perf_counter()
         failed_reads = self._copy_between_tiers(plan.tier_copies) if plan.tier_copies else ()
         self.cache.swap_out(plan.swap_out)

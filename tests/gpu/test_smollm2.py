@@ -11,7 +11,17 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from gpu.models import SMOLLM2_GGUF, SMOLLM2_SPEC, LoadedModel, convert_smollm2, load_model, smollm2_dir
+from gpu.models import (
+    SMOLLM2_GGUF,
+    SMOLLM2_SPEC,
+    LoadedModel,
+    ModelSpecError,
+    convert_gguf,
+    convert_smollm2,
+    gguf_digest,
+    load_model,
+    smollm2_dir,
+)
 from gpu.quantization import int4_groups
 from tests.factories import assert_kv_all_free, collect, make_engine, make_request, running, tokens_of
 from tests.gpu.reference import hf_greedy
@@ -81,9 +91,12 @@ def test_int4_packs_the_gguf_q4_1_integers_as_they_are(smollm2: LoadedModel) -> 
     assert float((got == expected).float().mean()) > 0.999  # a handful may sit on a float16 rounding edge
 
 
-async def test_a_gguf_path_serves_the_same_model(smollm2: LoadedModel) -> None:
-    """`--model FILE.gguf`: the same weights, tokenizer and chat template as the packaged default."""
-    from_file = load_model(str(smollm2_dir() / SMOLLM2_GGUF), device="cpu", dtype="float32")
+async def test_a_gguf_path_serves_the_same_model(smollm2: LoadedModel, model_cache_dir: Path) -> None:
+    """`--model FILE.gguf`: the same weights, tokenizer and chat template as the packaged default, from
+    the one conversion of that file (its digest names it, whichever spec loads it)."""
+    path = smollm2_dir() / SMOLLM2_GGUF
+    assert convert_gguf(path, model_cache_dir) == convert_smollm2(model_cache_dir)
+    from_file = load_model(str(path), device="cpu", dtype="float32", cache_dir=str(model_cache_dir))
     prompt = smollm2.tokenizer.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
     assert from_file.tokenizer.encode_chat([{"role": "user", "content": "What is the capital of France?"}]) == prompt
     answers = []
@@ -92,3 +105,15 @@ async def test_a_gguf_path_serves_the_same_model(smollm2: LoadedModel) -> None:
         async with running(engine):
             answers.append(tokens_of(await collect(engine.submit(make_request(prompt, 12)))))
     assert answers[0] == answers[1]
+
+
+def test_a_gguf_conversion_is_named_by_the_files_bytes(tmp_path: Path) -> None:
+    first, second = tmp_path / "a.gguf", tmp_path / "b.gguf"
+    first.write_bytes(b"GGUF one")
+    second.write_bytes(b"GGUF one")
+    same = gguf_digest(first) == gguf_digest(second)
+    second.write_bytes(b"GGUF two")
+
+    assert same and gguf_digest(first) != gguf_digest(second)
+    with pytest.raises(ModelSpecError, match="GGUF file not found"):
+        convert_gguf(tmp_path / "missing.gguf", tmp_path)

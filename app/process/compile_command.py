@@ -36,9 +36,8 @@ def add_child_flags(parser: argparse.ArgumentParser) -> None:
 def run_compile(args: argparse.Namespace) -> int:
     import torch
 
-    from app.process.engine_factory import load_model_for, lora_serving_of
+    from app.process.engine_factory import compile_config_of, load_model_for, lora_serving_of
     from gpu.background_compile import exit_with_parent, progress_line
-    from gpu.compiled import CompileConfig
     from gpu.runner import SCRATCH_POOL_BLOCKS, ModelRunner, RunnerBudget, kv_shape_of
 
     settings = Settings.model_validate_json(args.settings_json) if args.settings_json else settings_from_args(args)
@@ -61,14 +60,12 @@ def run_compile(args: argparse.Namespace) -> int:
     budget = RunnerBudget(block_size=settings.block_size,
                           kv_cache_bytes=SCRATCH_POOL_BLOCKS * kv_shape_of(loaded, settings.block_size).bytes_per_block,
                           swap_space_bytes=0, max_model_len=settings.max_model_len, seed=settings.seed)
-    runner = ModelRunner(loaded, budget, CompileConfig(settings.compile_mode, settings.compile_cache_dir,
-                                                       on_warm_up_step=report), lora_serving_of(settings))
+    runner = ModelRunner(loaded, budget, compile_config_of(settings, on_warm_up_step=report), lora_serving_of(settings))
     forward = runner.forward
     if args.progress_json:
         print(progress_line(done=True, graphs=forward.num_graphs, seconds=round(forward.compile_seconds, 1)),
               flush=True)
     return 0
-
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from config.settings import Settings
-from gpu.compiled import CompileConfig, CompileMode, CompileScope
+from gpu.compiled import CompileConfig, CompileMode, CompileScope, WarmUpProgress
 from gpu.lora import LoraServing
 from gpu.models import LoadedModel, load_model
 from gpu.runner import ModelRunner, RunnerBudget
@@ -36,9 +36,16 @@ def build_runner(settings: Settings, loaded: LoadedModel, *, compile_in_backgrou
                           max_num_seqs=settings.max_num_seqs, host_cache_bytes=settings.kv_host_cache_bytes,
                           disk_cache_path=settings.kv_disk_cache_path, disk_cache_bytes=settings.kv_disk_cache_bytes)
     child = compile_child_command(settings) if compile_in_background and settings.compile_mode != "eager" else None
-    compilation = CompileConfig(settings.compile_mode, settings.compile_cache_dir, compile_scope_of(settings),
-                                child_command=child)
-    return ModelRunner(loaded, budget, compilation, lora_serving_of(settings))
+    return ModelRunner(loaded, budget, compile_config_of(settings, child_command=child), lora_serving_of(settings))
+
+
+def compile_config_of(settings: Settings, *, child_command: tuple[str, ...] | None = None,
+                      on_warm_up_step: WarmUpProgress | None = None) -> CompileConfig:
+    """The settings' compilation, for the server and its compiling child alike: the artifact folder is
+    keyed by mode and scope, so the child must resolve them as the server does or fill a folder the
+    server never reads."""
+    return CompileConfig(settings.compile_mode, settings.compile_cache_dir, compile_scope_of(settings),
+                         child_command=child_command, on_warm_up_step=on_warm_up_step)
 
 
 def compile_scope_of(settings: Settings) -> CompileScope:

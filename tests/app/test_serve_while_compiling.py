@@ -34,10 +34,12 @@ def compile_state(base_url: str) -> dict[str, Any]:
 
 
 def test_answers_while_compiling_then_runs_compiled(compile_artifacts: Path) -> None:
-    # One thread, as the compiled tests of this run use: the child then finds what they compiled.
+    # The cheapest compile that exercises it all (inductor's defaults, one decoder layer compiled for all),
+    # with the block size and the one thread of tests/gpu/test_regional_compile.py: that test then loads
+    # what this child compiled instead of compiling it again.
     env = {**os.environ, "FAIRLANE_KV_CACHE_BYTES": str(4 * 1024 * 1024), "FAIRLANE_SWAP_SPACE_BYTES": "0",
            "FAIRLANE_COMPILE_CACHE_DIR": str(compile_artifacts), "OMP_NUM_THREADS": "1"}
-    served = ServedProcess(env, ["--compile", "max"]).wait_ready()
+    served = ServedProcess(env, ["--compile", "default", "--compile-scope", "layer", "--block-size", "8"]).wait_ready()
     try:
         first = complete(served.base_url)  # no wait for the compilation
         assert first["usage"]["completion_tokens"] == 8
@@ -53,5 +55,7 @@ def test_answers_while_compiling_then_runs_compiled(compile_artifacts: Path) -> 
         log = "".join(served.log)
         assert "background compile: warm-up step 1 of 3 done" in log
         assert "steps now run the compiled forward" in log
+        # The child compiled the scope the server serves: its marker is in the folder the server loaded.
+        assert list(compile_artifacts.glob("llama-layer-*/compiled-block8-threads1.json")), log
     finally:
         served.kill()

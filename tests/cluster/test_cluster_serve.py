@@ -12,7 +12,7 @@ import socket
 import subprocess
 import sys
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,6 +39,11 @@ BATCH_ITEM_TOKENS = 300  # long enough that items are still running when their r
 HEAD_TIMEOUT_S = 2.0
 BODY_TIMEOUT_S = 2.0
 MAX_CONNECTIONS = 32  # the connection cap; the other tests hold far fewer at once
+# Waits on /stats: each poll is a request through Serve's proxy and the ingress, so polls come at 5 Hz,
+# not 100 (a poll every 10 ms kept both loops busy beside the streams they wait on). A closed stream ends
+# through the proxy noticing its client gone, which a loaded machine has been seen to take over 20 s for.
+STATS_POLL_S = 0.2
+STATS_WAIT_S = 60.0
 
 
 @dataclass(slots=True)
@@ -115,6 +120,10 @@ def long_stream(cluster: Cluster, tenant: str = "alice", prompt: str = "Once upo
                                                      extra_body={"ignore_eos": True})
 
 
+def wait_for_stats(cluster: Cluster, predicate: Callable[[dict[str, Any]], bool], what: str) -> None:
+    wait_for(lambda: predicate(cluster.stats()), timeout=STATS_WAIT_S, interval=STATS_POLL_S, what=what)
+
+
 def total(stats: dict[str, Any], key: str) -> int:
     return sum(int(replica[key]) for replica in stats["replicas"].values())
 
@@ -164,8 +173,8 @@ def test_requests_are_served_by_both_replicas(cluster: Cluster) -> None:
         next(iter(stream))  # every request is running before any ends
     for stream in streams:
         stream.close()
-    wait_for(lambda: cluster.stats()["in_flight"] == 0, timeout=20, what="the streams to end")
-    wait_for(lambda: cluster.stats()["running"] == 0, timeout=20, what="the replicas to report them ended")
+    wait_for_stats(cluster, lambda stats: stats["in_flight"] == 0, what="the streams to end")
+    wait_for_stats(cluster, lambda stats: stats["running"] == 0, what="the replicas to report them ended")
     after = cluster.stats()["replicas"]
 
     assert all(after[rid]["requests_finished"] + after[rid]["requests_aborted"] > before[rid] for rid in before)
@@ -175,11 +184,11 @@ def test_a_client_that_disconnects_aborts_its_request_on_the_replica(cluster: Cl
     aborted = total(cluster.stats(), "requests_aborted")
     stream = long_stream(cluster)
     next(iter(stream))
-    wait_for(lambda: cluster.stats()["running"] == 1, timeout=20, what="the replica to run the request")
+    wait_for_stats(cluster, lambda stats: stats["running"] == 1, what="the replica to run the request")
     stream.close()
 
-    wait_for(lambda: total(cluster.stats(), "requests_aborted") == aborted + 1, timeout=20,
-             what="the replica to abort the request")
+    wait_for_stats(cluster, lambda stats: total(stats, "requests_aborted") == aborted + 1,
+                   what="the replica to abort the request")
     assert cluster.stats()["running"] == 0
 
 
@@ -194,7 +203,7 @@ def test_max_concurrent_is_counted_across_replicas(cluster: Cluster) -> None:
         for stream in streams:
             stream.close()
     with cluster.client("capped") as client:
-        wait_for(lambda: cluster.stats()["in_flight"] == 0, timeout=20, what="the capped streams to end")
+        wait_for_stats(cluster, lambda stats: stats["in_flight"] == 0, what="the capped streams to end")
         assert client.completions.create(model=MODEL, prompt="now there is room", max_tokens=2).choices
 
 
@@ -254,7 +263,7 @@ def test_connections_past_the_cap_get_503(cluster: Cluster) -> None:
 def test_a_killed_replica_fails_its_streams_and_the_other_serves_on(cluster: Cluster) -> None:
     stream = long_stream(cluster)
     next(iter(stream))
-    wait_for(lambda: cluster.stats()["running"] == 1, timeout=20, what="a replica to run the stream")
+    wait_for_stats(cluster, lambda stats: stats["running"] == 1, what="a replica to run the stream")
     victim = next(r for r in cluster.stats()["replicas"].values() if r["running"] == 1)
     os.kill(victim["pid"], signal.SIGKILL)
 

@@ -40,8 +40,10 @@ browser:
 prometheus:
 	command -v prometheus >/dev/null || (apt-get update -q && apt-get install -y -q --no-install-recommends prometheus)
 
+# Two workers (pytest-xdist): much of the suite waits on servers, children and soaks rather than
+# computing. Each module stays on one worker; tests/conftest.py puts the slow ones first.
 test: lint compiler browser prometheus
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q --numprocesses auto --maxprocesses 2 --dist loadfile --no-loadscope-reorder
 
 bench: install
 	$(BIN)/fairlane bench engine --model builtin:small --requests 64 --seed 0 --out data/bench_engine.json

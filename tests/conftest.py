@@ -34,6 +34,22 @@ torch.set_num_threads(1)
 sys.setswitchinterval(0.0005)
 
 
+# Under `make test` the suite runs on two workers (pytest-xdist, `--dist loadfile`): a module is one
+# unit of work, so its module fixtures (a cluster, a server, a compiled runner) are set up once.
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Modules with slow tests first (`--no-loadscope-reorder` keeps this order): a worker that draws a
+    minute-long soak last leaves the other idle meanwhile."""
+    slow_modules = {module_of(item) for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: module_of(item) not in slow_modules)  # stable: each module keeps its order
+
+
+def module_of(item: pytest.Item) -> str:
+    return item.nodeid.split("::", 1)[0]
+
+
 @pytest.fixture(scope="session")
 def model_cache_dir() -> Path:
     """Where converted checkpoints live: the repo's own cache, so a conversion happens once per machine."""

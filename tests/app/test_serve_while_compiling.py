@@ -35,8 +35,8 @@ def compile_state(base_url: str) -> dict[str, Any]:
 
 def test_answers_while_compiling_then_runs_compiled(compile_artifacts: Path) -> None:
     # The cheapest compile that exercises it all (inductor's defaults, one decoder layer compiled for all),
-    # with the block size and the one thread of tests/gpu/test_regional_compile.py: that test then loads
-    # what this child compiled instead of compiling it again.
+    # with the block size and the one thread of tests/gpu/test_regional_compile.py: where that test runs in
+    # this process after this one, it loads what this child compiled instead of compiling it again.
     env = {**os.environ, "FAIRLANE_KV_CACHE_BYTES": str(4 * 1024 * 1024), "FAIRLANE_SWAP_SPACE_BYTES": "0",
            "FAIRLANE_COMPILE_CACHE_DIR": str(compile_artifacts), "OMP_NUM_THREADS": "1"}
     served = ServedProcess(env, ["--compile", "default", "--compile-scope", "layer", "--block-size", "8"]).wait_ready()

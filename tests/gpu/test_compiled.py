@@ -49,6 +49,10 @@ def compiled_runner(tiny_model: LoadedModel, artifact_root: Path) -> Iterator[Mo
     bytes_per_block = kv_shape_of(tiny_model, BLOCK_SIZE).bytes_per_block
     budget = RunnerBudget(block_size=BLOCK_SIZE, kv_cache_bytes=NUM_BLOCKS * bytes_per_block,
                           swap_space_bytes=NUM_CPU_BLOCKS * bytes_per_block)
+    # An earlier test of this process may have compiled this model in this mode: dynamo would hand this
+    # runner that code (no graph of its own to count) and inductor's disk cache would hold only that
+    # runner's graphs. From dynamo's initial state, this runner compiles its own.
+    torch._dynamo.reset()
     yield ModelRunner(tiny_model, budget, CompileConfig(MODE, str(artifact_root)))
 
 

@@ -9,12 +9,18 @@
 # FAIRLANE_MODES is a comma list of dtype:quantization[:compile], default
 # "float32:auto,float32:none" (the default, which keeps the model's own precision, and float32 unquantized; each
 # with fairlane's default --compile). DEVICE, when set,
-# is passed to fairlane as --device.
+# is passed to fairlane as --device. PROMPT_TOKENS (default 200) sets each request's prompt length: 1500 is
+# the long-prompt workload (chat histories, retrieval, agents).
 set -euo pipefail
 out=${1:?usage: serve_comparison.sh OUT_DIR [CONCURRENCY] [FAIRLANE_MODES]}
 concurrency=${2:-1,8,32,64}
 modes=${3:-float32:auto,float32:none}
 port=${PORT:-8123}
+prompt_tokens=${PROMPT_TOKENS:-200}
+# llama.cpp splits its context evenly over its 64 slots: each needs the prompt, the 128 output tokens
+# and room for the chat template.
+llama_ctx=$(( 64 * (prompt_tokens + 384) ))
+llama_ctx=$(( llama_ctx > 65536 ? llama_ctx : 65536 ))
 bin=$(dirname "$0")/../.venv/bin
 mkdir -p "$out"
 
@@ -34,7 +40,7 @@ run_one() {  # label, then the server's command line
   trap 'kill $pid 2>/dev/null || true' EXIT
   wait_ready
   "$bin/fairlane" bench serve --url "http://127.0.0.1:$port" --concurrency "$concurrency" --label "$label" \
-    --out "$out/$label.json" || true
+    --prompt-tokens "$prompt_tokens" --out "$out/$label.json" || true
   kill "$pid"; wait "$pid" 2>/dev/null || true
   trap - EXIT
 }
@@ -44,7 +50,7 @@ if [ -n "${LLAMA_SERVER:-}" ]; then
   for pair in "llama.cpp-F16:${F16_GGUF:?}" "llama.cpp-Q4_1:${Q4_GGUF:?}"; do
     label=${pair%%:*}
     run_one "$label" "$LLAMA_SERVER" -m "${pair#*:}" --host 127.0.0.1 --port "$port" -t "$(nproc)" \
-      -c 65536 -np 64 -cb
+      -c "$llama_ctx" -np 64 -cb
     reports+=("$out/$label.json")
   done
 fi

@@ -51,7 +51,8 @@ def compiled_runner(tiny_model: LoadedModel, artifact_root: Path) -> Iterator[Mo
                           swap_space_bytes=NUM_CPU_BLOCKS * bytes_per_block)
     # An earlier test of this process may have compiled this model in this mode: dynamo would hand this
     # runner that code (no graph of its own to count) and inductor's disk cache would hold only that
-    # runner's graphs. From dynamo's initial state, this runner compiles its own.
+    # runner's graphs. From dynamo's initial state, this runner compiles its own. (tests/isolation.py
+    # isolates one test; this runner is shared by the module's tests, so it is reset here instead.)
     torch._dynamo.reset()
     yield ModelRunner(tiny_model, budget, CompileConfig(MODE, str(artifact_root)))
 

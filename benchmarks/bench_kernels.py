@@ -19,8 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import time
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -31,6 +29,7 @@ from torch import nn
 
 from app.process.flags import add_model_flags, settings_from_args
 from benchmarks.bench_compile import machine_description
+from gpu.linear_kernels import median_seconds
 from gpu.models import load_model
 from gpu.quantization import Int4WeightOnlyLinear, Int8WeightOnlyLinear, fits_kernel
 
@@ -84,18 +83,6 @@ def multiply_of(kernel: str, linear: nn.Linear) -> tuple[Multiply, torch.dtype] 
     if kernel == "int8-dynamic":
         return Int8DynamicLinear(linear), torch.float32
     raise ValueError(f"unknown kernel {kernel!r}")
-
-
-def median_seconds(multiply: Multiply, x: torch.Tensor, min_seconds: float) -> float:
-    for _ in range(3):
-        multiply(x)
-    times: list[float] = []
-    started = time.perf_counter()
-    while time.perf_counter() - started < min_seconds or len(times) < 5:
-        begin = time.perf_counter()
-        multiply(x)
-        times.append(time.perf_counter() - begin)
-    return statistics.median(times)
 
 
 def time_kernel(kernel: str, shape: Shape, rows: int, min_seconds: float) -> float | None:

@@ -45,6 +45,11 @@ class Settings(BaseModel):
     # Weight-only quantization of every linear layer, the LM head included (see gpu/quantization.py);
     # "auto" keeps a GGUF model's own precision (the default model's Q4_1 serves in int4), else none.
     quantization: Literal["auto", "none", "int8", "int4"] = "auto"
+    # Which kernel the quantized layers multiply with, by a step's row count: auto times the packed
+    # kernels against a dense copy of the same values at start (cached per machine) and keeps the copy
+    # where it wins, for prompt chunks and large batches; packed: the packed kernels alone, no copy
+    # (gpu/linear_kernels.py).
+    linear_kernels: Literal["auto", "packed"] = "auto"
     seed: int = 0
     # The runner's forward: eager, default (inductor), max (inductor with max-autotune and its C++
     # wrapper). Compiled at start-up; the artifacts are kept under compile_cache_dir (gpu/compiled.py).

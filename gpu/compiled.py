@@ -162,9 +162,14 @@ class PackedForward:
     """`model(packed step) -> float32 logits` of the kept rows, eagerly or through a compiled graph."""
 
     def __init__(self, model: Any, mode: CompileMode, lora_rows: LoraRows | None = None,
-                 scope: CompileScope = "model") -> None:
+                 scope: CompileScope = "model", dense_from_rows: int | None = None) -> None:
         self.model = model
         self.mode = mode
+        # Steps of this many tokens or more run eagerly: their quantized layers multiply dense copies
+        # (gpu/linear_kernels.py), which the compiled graph does not hold. Such a step is its GEMMs: a
+        # 512-token prompt chunk took 3.05 s eager and 2.93 s compiled, so a second graph variant (and
+        # a compile twice as long) would buy little.
+        self.dense_from_rows = dense_from_rows
         # With LoRA adapters, the step's slot mask is an input of the graph like the paged metadata: set
         # on the layers inside the forward, so a compiled graph reads each step's mask, not a constant.
         self.lora_rows = lora_rows
@@ -193,7 +198,7 @@ class PackedForward:
 
     def __call__(self, step: StepInputs, keep: torch.Tensor) -> torch.Tensor:
         lora_mask = None if self.lora_rows is None else self.lora_rows.mask
-        if not self.is_compiled:
+        if not self.is_compiled or self.runs_dense(step):
             return self._forward(step.input_ids, step.positions, keep, step.metadata, lora_mask)
         before = compilations_so_far()
         logits: torch.Tensor
@@ -210,6 +215,9 @@ class PackedForward:
             logger.warning("the forward compiled again during serving (%d tokens, %d logits kept): %d so far",
                            step.input_ids.shape[1], keep.shape[0], self.recompilations)
         return logits
+
+    def runs_dense(self, step: StepInputs) -> bool:
+        return self.dense_from_rows is not None and step.input_ids.shape[1] >= self.dense_from_rows
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor,
                  metadata: PagedMetadata, lora_mask: torch.Tensor | None = None) -> torch.Tensor:

@@ -14,12 +14,13 @@ import os
 import shutil
 import tempfile
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from gpu.linear_kernels import KernelPlan, LinearKernels, dense_copy_bytes, plan_linear_kernels
 from gpu.quantization import Quantization, QuantizationChoice, quantize_linears
 from gpu.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
@@ -57,6 +58,7 @@ class LoadedModel:
     dtype: torch.dtype
     device: torch.device
     quantization: Quantization = "none"
+    kernel_plan: KernelPlan = field(default_factory=KernelPlan)  # which kernel the packed layers run, by rows
 
 
 def resolve_device(device: str) -> torch.device:
@@ -213,9 +215,11 @@ def eos_token_ids_of(model: Any, hf_tokenizer: Any) -> frozenset[int]:
 
 
 def load_model(spec: str, *, device: str = "auto", dtype: str = "auto", seed: int = 0,
-               cache_dir: str = "./data/models", quantization: QuantizationChoice = "none") -> LoadedModel:
-    """Load a model spec onto its device in its dtype, its linear layers quantized as asked; attention
-    is switched to the paged path later."""
+               cache_dir: str = "./data/models", quantization: QuantizationChoice = "none",
+               linear_kernels: LinearKernels = "packed", kernel_plan_dir: str | None = None) -> LoadedModel:
+    """Load a model spec onto its device in its dtype, its linear layers quantized as asked (with dense
+    copies for large steps where `linear_kernels="auto"` measures them faster, gpu/linear_kernels.py);
+    attention is switched to the paged path later."""
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
     mode = resolve_quantization(spec, quantization)
@@ -229,10 +233,16 @@ def load_model(spec: str, *, device: str = "auto", dtype: str = "auto", seed: in
     else:
         model, tokenizer = load_checkpoint(Path(spec), torch_dtype)
     model = model.to(device=torch_device, dtype=torch_dtype)
-    quantize_linears(model, mode)
+    plan = plan_linear_kernels(model, mode, torch_dtype, torch_device, choice=linear_kernels,
+                               native_bfloat16=torch_device.type == "cuda" or cpu_has_native_bfloat16(),
+                               cache_dir=None if kernel_plan_dir is None else Path(kernel_plan_dir))
+    quantize_linears(model, mode, plan.dense_dtype, plan.dense_from_rows)
+    if plan.dense_from_rows is not None:
+        logger.info("dense copies of the packed layers for steps of %d rows or more: %.0f MiB of %s",
+                    plan.dense_from_rows, dense_copy_bytes(model) / 2**20, plan.dense_dtype)
     if mode != quantization:
         logger.info("quantization %s: %s (the precision %s ships in)", quantization, mode, spec)
-    return LoadedModel(spec, model, tokenizer, context_length_of(model.config), torch_dtype, torch_device, mode)
+    return LoadedModel(spec, model, tokenizer, context_length_of(model.config), torch_dtype, torch_device, mode, plan)
 
 
 def context_length_of(config: Any) -> int:

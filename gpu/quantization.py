@@ -13,6 +13,13 @@ the CPU their float32 paths are not vectorized (on an AVX2 machine: 38 ms for th
 against 3.4 ms in bfloat16, 13.5 ms unquantized), so a float32 model on the CPU hands them its
 activations in bfloat16 and takes the result back in float32. A layer whose shape a kernel cannot
 take keeps its float weight.
+
+A packed layer may also keep a dense copy of the same quantized values (`dense_dtype`), multiplied
+instead of the packed weight when a step has at least `dense_from_rows` rows: a prompt chunk or a large
+batch computes more than it reads, and there a dense GEMM is the faster kernel on some CPUs (measured
+per machine: gpu/linear_kernels.py). The copy holds the integers times their scales, so both kernels
+compute with the same weights. Inside a compiled graph the packed kernel always runs: the runner sends
+the steps that take the dense copy down its eager forward (gpu/compiled.py).
 """
 
 from __future__ import annotations
@@ -33,26 +40,59 @@ INT4_GROUP_SIZE = 32
 INT4_ROW_MULTIPLE = 64  # output rows the packed int4 kernels tile by
 
 
+def rows_of(x: torch.Tensor) -> int:
+    return x.numel() // x.shape[-1] if x.shape[-1] else 0
+
+
+class PackedLinear(nn.Module):
+    """What the packed layers share: the optional dense copy and the choice between it and the packed kernel."""
+
+    dense_weight: torch.Tensor | None
+    bias: torch.Tensor | None
+
+    def keep_dense_copy(self, weight: torch.Tensor | None, from_rows: int | None) -> None:
+        """`weight`: the dequantized values [out, in] in the dtype the dense GEMM runs in; None: none kept."""
+        self.register_buffer("dense_weight", weight if from_rows is not None else None)
+        self.dense_from_rows = from_rows if weight is not None else None
+
+    def takes_dense(self, x: torch.Tensor) -> bool:
+        if torch.compiler.is_compiling() or self.dense_weight is None or self.dense_from_rows is None:
+            return False
+        return rows_of(x) >= self.dense_from_rows
+
+    def dense_forward(self, x: torch.Tensor) -> torch.Tensor:
+        assert self.dense_weight is not None
+        out = nn.functional.linear(x.to(self.dense_weight.dtype), self.dense_weight)
+        out = out.to(x.dtype)
+        return out if self.bias is None else out + self.bias
+
+
 def kernel_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
     """The activation dtype the packed kernels run fast in (see the module's note)."""
     return torch.bfloat16 if device.type == "cpu" and dtype == torch.float32 else dtype
 
 
-class Int8WeightOnlyLinear(nn.Module):
+class Int8WeightOnlyLinear(PackedLinear):
     """y = x @ (q * scale)^T (+ bias), q int8 per output row."""
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear, dense_dtype: torch.dtype | None = None,
+                 dense_from_rows: int | None = None) -> None:
         super().__init__()
         weight = linear.weight.detach().float()
         scales = weight.abs().amax(dim=1).clamp(min=1e-12) / 127.0
         quantized = torch.round(weight / scales[:, None]).clamp(-127, 127).to(torch.int8)
         self.compute_dtype = kernel_dtype(linear.weight.dtype, linear.weight.device)
         self.register_buffer("weight_int8", quantized)
-        self.register_buffer("scales", scales.to(self.compute_dtype))
+        kernel_scales = scales.to(self.compute_dtype)
+        self.register_buffer("scales", kernel_scales)
         self.bias = linear.bias
         self.in_features, self.out_features = linear.in_features, linear.out_features
+        dense = None if dense_dtype is None else (quantized.float() * kernel_scales.float()[:, None]).to(dense_dtype)
+        self.keep_dense_copy(dense, dense_from_rows)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.takes_dense(x):
+            return self.dense_forward(x)
         flat = x.reshape(-1, x.shape[-1]).to(self.compute_dtype)
         out: torch.Tensor = torch.ops.aten._weight_int8pack_mm(flat, self.weight_int8, self.scales)
         out = out.view(*x.shape[:-1], self.out_features).to(x.dtype)
@@ -71,23 +111,28 @@ def int4_groups(weight: torch.Tensor, group_size: int = INT4_GROUP_SIZE
     return q.reshape(rows, cols), scales, minimums
 
 
-class Int4WeightOnlyLinear(nn.Module):
+class Int4WeightOnlyLinear(PackedLinear):
     """y = x @ W^T (+ bias) with W stored as 4-bit groups; the kernel computes (q - 8) * scale + zero."""
 
-    def __init__(self, linear: nn.Linear, group_size: int = INT4_GROUP_SIZE) -> None:
+    def __init__(self, linear: nn.Linear, group_size: int = INT4_GROUP_SIZE, dense_dtype: torch.dtype | None = None,
+                 dense_from_rows: int | None = None) -> None:
         super().__init__()
         q, scales, minimums = int4_groups(linear.weight.detach(), group_size)
         zeros = minimums + 8.0 * scales
         self.compute_dtype = torch.bfloat16  # the CUDA kernel takes nothing else; the CPU one is fastest in it
         self.register_buffer("packed", _pack_int4(q, linear.weight.device))
         # [K/g, N, 2]: the kernels' layout of a group's (scale, zero)
-        self.register_buffer("scales_and_zeros", torch.stack([scales, zeros], dim=-1).transpose(0, 1)
-                             .contiguous().to(self.compute_dtype))
+        scales_and_zeros = torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous().to(self.compute_dtype)
+        self.register_buffer("scales_and_zeros", scales_and_zeros)
         self.group_size = group_size
         self.bias = linear.bias
         self.in_features, self.out_features = linear.in_features, linear.out_features
+        dense = None if dense_dtype is None else int4_dequantized(q, scales_and_zeros, group_size).to(dense_dtype)
+        self.keep_dense_copy(dense, dense_from_rows)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.takes_dense(x):
+            return self.dense_forward(x)
         flat = x.reshape(-1, x.shape[-1]).to(self.compute_dtype)
         out: torch.Tensor
         if flat.is_cuda:
@@ -97,6 +142,14 @@ class Int4WeightOnlyLinear(nn.Module):
                                                              self.scales_and_zeros)
         out = out.view(*x.shape[:-1], self.out_features).to(x.dtype)
         return out if self.bias is None else out + self.bias
+
+
+def int4_dequantized(q: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int) -> torch.Tensor:
+    """(q - 8) * scale + zero per group, with the kernel's own (bfloat16) scales and zeros: [N, K] float32."""
+    scales, zeros = scales_and_zeros.float().transpose(0, 1).unbind(-1)  # [N, K/g] each
+    rows, cols = q.shape
+    groups = (q.float() - 8.0).reshape(rows, cols // group_size, group_size)
+    return (groups * scales[..., None] + zeros[..., None]).reshape(rows, cols)
 
 
 def _pack_int4(q: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -117,20 +170,32 @@ def fits_kernel(linear: nn.Linear, mode: Quantization) -> bool:
     return True
 
 
-def quantize_linears(model: Any, mode: Quantization) -> int:
-    """Replace every nn.Linear of the model (the LM head included) in place; returns how many were."""
+def layer_modes(model: Any, mode: Quantization) -> dict[str, Quantization]:
+    """The packed kernel of each linear layer (the LM head included) that one can take, by module name."""
     if mode == "none":
-        return 0
+        return {}
     head = model.get_output_embeddings()
-    modes = {name: ("int8" if linear is head else mode)  # see the module's note on the head
-             for name, linear in model.named_modules() if isinstance(linear, nn.Linear)}
+    modes: dict[str, Quantization] = {name: ("int8" if linear is head else mode)  # see the module's note on the head
+                                      for name, linear in model.named_modules() if isinstance(linear, nn.Linear)}
     kept = [name for name, layer_mode in modes.items() if not fits_kernel(model.get_submodule(name), layer_mode)]
-    for name, layer_mode in modes.items():
-        if name not in kept:
-            linear = model.get_submodule(name)
-            packed = Int8WeightOnlyLinear(linear) if layer_mode == "int8" else Int4WeightOnlyLinear(linear)
-            model.set_submodule(name, packed)
     if kept:
         logger.info("%s: %d linear layer(s) keep float weights (shape the kernel cannot take): %s",
                     mode, len(kept), ", ".join(kept[:4]))
-    return len(modes) - len(kept)
+    return {name: layer_mode for name, layer_mode in modes.items() if name not in kept}
+
+
+def packed_linear(linear: nn.Linear, mode: Quantization, dense_dtype: torch.dtype | None = None,
+                  dense_from_rows: int | None = None) -> PackedLinear:
+    if mode == "int8":
+        return Int8WeightOnlyLinear(linear, dense_dtype, dense_from_rows)
+    return Int4WeightOnlyLinear(linear, dense_dtype=dense_dtype, dense_from_rows=dense_from_rows)
+
+
+def quantize_linears(model: Any, mode: Quantization, dense_dtype: torch.dtype | None = None,
+                     dense_from_rows: int | None = None) -> int:
+    """Replace every nn.Linear of the model (the LM head included) in place, each with a dense copy for
+    steps of at least `dense_from_rows` rows when one is asked for; returns how many were."""
+    modes = layer_modes(model, mode)
+    for name, layer_mode in modes.items():
+        model.set_submodule(name, packed_linear(model.get_submodule(name), layer_mode, dense_dtype, dense_from_rows))
+    return len(modes)

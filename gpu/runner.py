@@ -114,7 +114,8 @@ class ModelRunner:
         self.background: BackgroundCompile | None = None  # set when the forward is compiled after start-up
         self._awaits_compiled = False  # until the switch: each step asks the background compile, then none
         if compilation.mode != "eager" and compilation.child_command is not None:
-            self.forward = PackedForward(self.model, "eager", self._lora_rows())
+            self.forward = PackedForward(self.model, "eager", self._lora_rows(),
+                                         dense_from_rows=loaded.kernel_plan.dense_from_rows)
             # A folder a warm-up has filled before: no child to wait for, the artifacts are loaded at once.
             found = (self.artifact_folder is not None
                      and compiled_marker(self.artifact_folder, budget.block_size).is_file())
@@ -192,7 +193,8 @@ class ModelRunner:
         if self.artifact_folder is not None:
             use_artifact_folder(self.artifact_folder)
             logger.info("compiled artifacts: %s", self.artifact_folder)
-        return PackedForward(self.model, compilation.mode, self._lora_rows(), compilation.scope)
+        return PackedForward(self.model, compilation.mode, self._lora_rows(), compilation.scope,
+                             self.loaded.kernel_plan.dense_from_rows)
 
     def _lora_rows(self) -> LoraRows | None:
         return None if self.lora is None else self.lora.slots.rows

@@ -24,7 +24,8 @@ AUTO_SCOPE: dict[CompileMode, CompileScope] = {"eager": "model", "default": "mod
 
 def load_model_for(settings: Settings) -> LoadedModel:
     return load_model(settings.model, device=settings.device, dtype=settings.dtype, seed=settings.seed,
-                      cache_dir=settings.model_cache_dir, quantization=settings.quantization)
+                      cache_dir=settings.model_cache_dir, quantization=settings.quantization,
+                      linear_kernels=settings.linear_kernels, kernel_plan_dir=settings.compile_cache_dir)
 
 
 def build_runner(settings: Settings, loaded: LoadedModel, *, compile_in_background: bool = False) -> ModelRunner:

@@ -1,0 +1,192 @@
+"""Which kernel multiplies the packed linear layers' weights, by a step's row count, chosen on this machine.
+
+The packed weight-only kernels (gpu/quantization.py) win where a step reads more than it computes: a
+decode step of a few rows. A prompt chunk or a batch of many decodes computes more than it reads, and
+there a dense GEMM over the same dequantized values can be the faster one: on an AVX2 EPYC, SmolLM2's
+step linears at 512 rows took 0.91 s in float32 against 1.90 s in int4 (`fairlane bench kernels`,
+docs/benchmarks/kernels.md); on another CPU the crossing moves, or never comes. So at start the runner
+times both at the model's own shapes for a ladder of row counts (`ROW_BUCKETS`) and keeps a dense copy
+of every packed layer only when it wins from some row count on (`KernelPlan.dense_from_rows`). The
+copy costs its dtype's bytes per weight beside the packed ones (float32: 4, against int4's half byte)
+and is logged. The measurement takes seconds and is kept on disk, keyed by the machine, the thread
+count, the torch version and the layer shapes.
+
+The dense dtypes tried: the model's own, and bfloat16 where the hardware multiplies it natively (AMX, or
+a GPU); AVX2 emulates it at 7x float32's time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import statistics
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from gpu.compiled import machine_key
+from gpu.quantization import PackedLinear, Quantization, layer_modes, packed_linear
+
+logger = logging.getLogger(__name__)
+
+LinearKernels = Literal["auto", "packed"]  # auto: measured here; packed: the packed kernels at every row count
+ROW_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512)
+# Rows a dense copy must win at in a row before the plan takes it: one bucket alone may be noise.
+CONFIRMING_BUCKETS = 2
+MIN_SECONDS = 0.02  # each layout timed at least this long per kernel and bucket
+Layout = tuple[int, int, Quantization]  # (in_features, out_features, the packed kernel)
+Multiply = Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True, slots=True)
+class KernelPlan:
+    """From `dense_from_rows` rows on, a step multiplies dense copies in `dense_dtype`; below, the packed
+    weights. None: the packed kernels at every row count (or nothing is packed)."""
+
+    dense_dtype: torch.dtype | None = None
+    dense_from_rows: int | None = None
+    step_linears_ms: dict[int, dict[str, float]] | None = None  # per bucket, per kernel: as measured
+
+    def takes_dense(self, rows: int) -> bool:
+        return self.dense_from_rows is not None and rows >= self.dense_from_rows
+
+    def describe(self) -> str:
+        if self.dense_from_rows is None:
+            return "packed kernels at every row count"
+        return f"packed kernels below {self.dense_from_rows} rows, {self.dense_dtype} dense copies from there"
+
+
+def packed_layouts(model: nn.Module, mode: Quantization) -> Counter[Layout]:
+    """How many layers of each (in, out) shape each packed kernel takes."""
+    linears = [(model.get_submodule(name), layer_mode) for name, layer_mode in layer_modes(model, mode).items()]
+    return Counter((linear.in_features, linear.out_features, layer_mode)
+                   for linear, layer_mode in linears if isinstance(linear, nn.Linear))
+
+
+def dense_candidates(model_dtype: torch.dtype, native_bfloat16: bool) -> list[torch.dtype]:
+    return [model_dtype, torch.bfloat16] if native_bfloat16 and model_dtype != torch.bfloat16 else [model_dtype]
+
+
+def median_seconds(multiply: Multiply, x: torch.Tensor, min_seconds: float, min_runs: int = 5) -> float:
+    """The median time of one call, after warm-up calls, over at least min_runs calls and min_seconds."""
+    for _ in range(2):
+        multiply(x)
+    times: list[float] = []
+    started = time.perf_counter()
+    while time.perf_counter() - started < min_seconds or len(times) < min_runs:
+        begin = time.perf_counter()
+        multiply(x)
+        if x.is_cuda:
+            torch.cuda.synchronize(x.device)
+        times.append(time.perf_counter() - begin)
+    return statistics.median(times)
+
+
+def time_layouts(layouts: Counter[Layout], rows: int, kernel: str, device: torch.device, model_dtype: torch.dtype,
+                 min_seconds: float) -> float:
+    """Seconds of every packed layer of one step at this row count, on the packed kernel or a dense dtype."""
+    total = 0.0
+    for (in_features, out_features, mode), count in layouts.items():
+        linear = nn.Linear(in_features, out_features, bias=False, device=device, dtype=model_dtype)
+        dense = kernel != "packed"
+        multiply = dense_multiply(linear, getattr(torch, kernel)) if dense else packed_linear(linear, mode)
+        x = torch.randn(rows, in_features, device=device, dtype=model_dtype)
+        with torch.inference_mode():
+            total += median_seconds(multiply, x, min_seconds, min_runs=3) * count
+    return total
+
+
+def dense_multiply(linear: nn.Linear, dtype: torch.dtype) -> Multiply:
+    weight = linear.weight.detach().to(dtype)
+
+    def multiply(x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(x.to(dtype), weight).to(x.dtype)
+
+    return multiply
+
+
+StepTimer = Callable[[int, str], float]  # (rows, kernel: "packed" or a dense dtype's name) -> seconds
+
+
+def measure_plan(time_step: StepTimer, candidates: list[torch.dtype]) -> KernelPlan:
+    """Times the packed kernels and each dense dtype up the row buckets, until a dense dtype has won
+    CONFIRMING_BUCKETS buckets in a row: from the first of those on, it wins at larger steps too (the
+    dense GEMM's advantage only grows with rows)."""
+    timings: dict[int, dict[str, float]] = {}
+    streak: list[int] = []
+    fastest = "packed"
+    for rows in ROW_BUCKETS:
+        measured = {kernel: time_step(rows, kernel) for kernel in ["packed", *map(dtype_name, candidates)]}
+        timings[rows] = {kernel: round(seconds * 1e3, 3) for kernel, seconds in measured.items()}
+        fastest = min(measured, key=lambda kernel: measured[kernel])
+        streak = [*streak, rows] if fastest != "packed" else []
+        if len(streak) >= CONFIRMING_BUCKETS:
+            break
+    if not streak:
+        return KernelPlan(step_linears_ms=timings)
+    return KernelPlan(getattr(torch, fastest), streak[0], timings)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def plan_identity(layouts: Counter[Layout], candidates: list[torch.dtype], device: torch.device,
+                  model_dtype: torch.dtype) -> str:
+    described = json.dumps({"layouts": sorted(map(list, layouts.items())), "candidates": list(map(str, candidates)),
+                            "dtype": str(model_dtype), "threads": torch.get_num_threads(), "torch": torch.__version__,
+                            "buckets": ROW_BUCKETS, "machine": machine_key(device)}, default=str)
+    return hashlib.sha256(described.encode()).hexdigest()[:16]
+
+
+def plan_as_json(plan: KernelPlan) -> dict[str, Any]:
+    return {"dense_dtype": None if plan.dense_dtype is None else dtype_name(plan.dense_dtype),
+            "dense_from_rows": plan.dense_from_rows,
+            "step_linears_ms": {str(rows): row for rows, row in (plan.step_linears_ms or {}).items()}}
+
+
+def plan_from_json(data: dict[str, Any]) -> KernelPlan:
+    dtype = data.get("dense_dtype")
+    return KernelPlan(None if dtype is None else getattr(torch, dtype), data.get("dense_from_rows"),
+                      {int(rows): row for rows, row in data.get("step_linears_ms", {}).items()})
+
+
+def plan_linear_kernels(model: nn.Module, mode: Quantization, model_dtype: torch.dtype, device: torch.device, *,
+                        native_bfloat16: bool, choice: LinearKernels = "auto",
+                        cache_dir: Path | None = None) -> KernelPlan:
+    """The plan for this model's packed layers on this machine: measured, or read from where an earlier
+    start on the same machine kept it."""
+    layouts = packed_layouts(model, mode)
+    if choice == "packed" or not layouts:
+        return KernelPlan()
+    candidates = dense_candidates(model_dtype, native_bfloat16)
+    identity = plan_identity(layouts, candidates, device, model_dtype)
+    cached = None if cache_dir is None else cache_dir / f"linear-kernels-{identity}.json"
+    if cached is not None and cached.is_file():
+        plan = plan_from_json(json.loads(cached.read_text()))
+        logger.info("linear kernels (measured on this machine before, %s): %s", cached, plan.describe())
+        return plan
+    started = time.perf_counter()
+    plan = measure_plan(lambda rows, kernel: time_layouts(layouts, rows, kernel, device, model_dtype, MIN_SECONDS),
+                        candidates)
+    logger.info("linear kernels measured in %.1f s: %s (%s)", time.perf_counter() - started, plan.describe(),
+                "; ".join(f"{rows} rows: " + ", ".join(f"{k} {ms:.1f} ms" for k, ms in row.items())
+                          for rows, row in (plan.step_linears_ms or {}).items()))
+    if cached is not None:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        staging = cached.with_suffix(f".{time.monotonic_ns()}.tmp")
+        staging.write_text(json.dumps(plan_as_json(plan), indent=1))
+        staging.replace(cached)
+    return plan
+
+
+def dense_copy_bytes(model: nn.Module) -> int:
+    return sum(m.dense_weight.numel() * m.dense_weight.element_size()
+               for m in model.modules() if isinstance(m, PackedLinear) and m.dense_weight is not None)

@@ -1,8 +1,12 @@
 """`fairlane bench quality`: what each quantization mode costs in answers, against float32.
 
-For each mode the same model is loaded afresh with its linear layers quantized, then:
+A mode is a quantization, optionally with the KV cache's dtype after a colon (`int4:float32`; without
+one, the server's default `auto`). For each mode the same model is loaded afresh as the server loads
+it (its linear layers quantized, with the dense copies `--linear-kernels` keeps), then:
 - perplexity over a text that CPython's own distribution ships (its LICENSE.txt, about 3,000 tokens
-  of English), in non-overlapping windows, teacher-forced through transformers' forward;
+  of English), in non-overlapping windows, teacher-forced through the serving runner: each window is
+  read in chunks of `PERPLEXITY_CHUNK` tokens, every chunk after the first attending to the ones
+  before it through the paged KV cache, in the mode's KV dtype;
 - greedy answers to a fixed set of chat prompts through the engine, compared token by token with
   float32's: how many answers are identical and how far, on average, an answer agrees before it parts.
 """
@@ -21,10 +25,12 @@ from typing import Any
 
 import torch
 
-from app.process.engine_factory import build_engine, load_model_for
+from app.process.engine_factory import build_engine, build_runner, load_model_for
 from app.process.flags import add_model_flags, settings_from_args
 from config.settings import Settings
+from contract.plan import SamplingParams, ScheduledSequence
 from gpu.models import LoadedModel
+from gpu.runner import ModelRunner
 from loadtest.bench_output import format_table, write_report
 from scheduling.request import Request, RequestId
 
@@ -63,18 +69,33 @@ class ModeQuality:
     agreement_before_parting: float = 1.0  # mean share of an answer's tokens before it first differs
 
 
+PERPLEXITY_CHUNK = 128  # tokens per prompt chunk: a window's later chunks read the earlier ones' KV
+
+
 @torch.inference_mode()
-def perplexity(loaded: LoadedModel, token_ids: list[int], window: int) -> float:
+def perplexity(runner: ModelRunner, token_ids: list[int], window: int) -> float:
     """exp(mean next-token negative log likelihood) over consecutive windows of the text."""
     total_nll, count = 0.0, 0
     for start in range(0, len(token_ids) - 1, window):
-        chunk = torch.tensor([token_ids[start : start + window + 1]], device=loaded.device)
-        if chunk.shape[1] < 2:
+        text = token_ids[start : start + window + 1]
+        if len(text) < 2:
             break
-        logits = loaded.model(input_ids=chunk[:, :-1]).logits[0].float()
-        nll = torch.nn.functional.cross_entropy(logits, chunk[0, 1:], reduction="sum")
-        total_nll, count = total_nll + float(nll), count + chunk.shape[1] - 1
+        logits = window_logits(runner, text[:-1])
+        nll = torch.nn.functional.cross_entropy(logits, torch.tensor(text[1:], device=logits.device), reduction="sum")
+        total_nll, count = total_nll + float(nll), count + len(text) - 1
     return math.exp(total_nll / count)
+
+
+def window_logits(runner: ModelRunner, tokens: list[int]) -> torch.Tensor:
+    """The logits after every token of a fresh prompt, read chunk by chunk into the first blocks of the pool."""
+    block_size = runner.geometry.block_size
+    table = tuple(range(-(-len(tokens) // block_size)))
+    chunks = []
+    for start in range(0, len(tokens), PERPLEXITY_CHUNK):
+        chunk = tokens[start : start + PERPLEXITY_CHUNK]
+        sequence = ScheduledSequence("perplexity", chunk, start, table, False, SamplingParams())
+        chunks.append(runner.compute_logits([sequence], extra_rows=range(len(chunk))))
+    return torch.cat(chunks)
 
 
 async def greedy_answers(settings: Settings, loaded: LoadedModel, max_tokens: int) -> list[list[int]]:
@@ -95,12 +116,21 @@ async def greedy_answers(settings: Settings, loaded: LoadedModel, max_tokens: in
         await engine.shutdown()
 
 
+def settings_of_mode(settings: Settings, mode: str) -> Settings:
+    quantization, _, kv_dtype = mode.partition(":")
+    return settings.model_copy(update={"quantization": quantization, "kv_cache_dtype": kv_dtype or "auto"})
+
+
 def measure_mode(settings: Settings, mode: str, max_tokens: int, window: int) -> ModeQuality:
     started = time.perf_counter()
-    mode_settings = settings.model_copy(update={"quantization": mode})
+    mode_settings = settings_of_mode(settings, mode)
     loaded = load_model_for(mode_settings)
     text_ids = loaded.tokenizer.encode(corpus_text())
-    ppl = perplexity(loaded, text_ids, window)  # before the engine switches attention to the paged path
+    runner = build_runner(mode_settings, loaded)
+    try:
+        ppl = perplexity(runner, text_ids, window)
+    finally:
+        runner.close()
     answers = asyncio.run(greedy_answers(mode_settings, loaded, max_tokens))
     return ModeQuality(mode, ppl, answers, time.perf_counter() - started)
 
@@ -140,8 +170,10 @@ def report(settings: Settings, results: list[ModeQuality], args: argparse.Namesp
 def add_command(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = subparsers.add_parser("quality", help="perplexity and greedy agreement of each quantization mode")
     add_model_flags(parser)
-    parser.add_argument("--modes", default="none,int8,int4", help="the first is the reference")
+    parser.add_argument("--modes", default="none:float32,none,int8,int4:float32,int4",
+                        help="quantization[:kv cache dtype], comma separated; the first is the reference")
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--window", type=int, default=512, help="tokens per perplexity window")
     parser.add_argument("--out", help="write the JSON report here")
-    parser.set_defaults(dtype="float32", kv_cache_bytes=256 * 2**20, handler=run_command)
+    # Eager: the numbers, not the compile, are measured here (and nothing is compiled per mode).
+    parser.set_defaults(dtype="float32", kv_cache_bytes=256 * 2**20, compile_mode="eager", handler=run_command)

@@ -74,6 +74,9 @@ class Settings(BaseModel):
 
     # KV cache and swap.
     block_size: int = Field(default=16, ge=1, le=256)
+    # The KV pools' dtype (vLLM's --kv-cache-dtype): a 16-bit pool holds twice the tokens of a float32
+    # one and a decode reads half the bytes; auto: see gpu/kv_cache.resolve_kv_cache_dtype.
+    kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     kv_cache_bytes: int | None = Field(default=None, ge=1)  # None: kv_cache_memory_fraction of free memory
     # Of the memory available after the model loads (RAM on CPU, device memory on CUDA), when
     # kv_cache_bytes is not given; never more than max_num_seqs full-length sequences need.

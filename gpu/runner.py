@@ -55,6 +55,7 @@ class RunnerBudget:
     host_cache_bytes: int = 0
     disk_cache_path: str | None = None
     disk_cache_bytes: int = 0
+    kv_cache_dtype: torch.dtype | None = None  # the pools' dtype; None: the model's
 
 
 def free_memory_bytes(device: torch.device) -> int:
@@ -73,11 +74,11 @@ def kv_pool_bytes(budget: RunnerBudget, bytes_per_block: int, max_model_len: int
     return min(share, budget.max_num_seqs * blocks_per_sequence * bytes_per_block)
 
 
-def kv_shape_of(loaded: LoadedModel, block_size: int) -> KVShape:
+def kv_shape_of(loaded: LoadedModel, block_size: int, kv_dtype: torch.dtype | None = None) -> KVShape:
     config = loaded.model.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    return KVShape(config.num_hidden_layers, kv_heads, head_dim, block_size, loaded.dtype)
+    return KVShape(config.num_hidden_layers, kv_heads, head_dim, block_size, kv_dtype or loaded.dtype, loaded.dtype)
 
 
 class ModelRunner:
@@ -92,7 +93,7 @@ class ModelRunner:
         self.lora = None if lora is None else LoraRuntime(self.model, lora)
         compilation = compilation or CompileConfig()
         self.device = loaded.device
-        shape = kv_shape_of(loaded, budget.block_size)
+        shape = kv_shape_of(loaded, budget.block_size, budget.kv_cache_dtype)
         max_len = min(loaded.max_model_len, budget.max_model_len or loaded.max_model_len)
         pool_bytes = kv_pool_bytes(budget, shape.bytes_per_block, max_len, self.device)
         self.cache = PagedKVCache(shape, pool_bytes // shape.bytes_per_block,
@@ -139,6 +140,8 @@ class ModelRunner:
             "model": self.loaded.name, "dtype": str(shape.dtype), "quantization": self.loaded.quantization,
             "block_size": shape.block_size, "layers": shape.num_layers, "kv_heads": shape.num_kv_heads,
             "head_dim": shape.head_dim, "vocab_size": int(self.model.config.vocab_size)}
+        if shape.dtype != self.loaded.dtype:  # values computed in one dtype, kept in another
+            config["model_dtype"] = str(self.loaded.dtype)
         block_shape = tuple(self.cache.host_block(0).shape)
         store = DiskBlockStore(budget.disk_cache_path, config, block_shape, shape.dtype, budget.disk_cache_bytes)
         logger.info("prefix cache on disk: %s, %d blocks found, room for %d", budget.disk_cache_path,
@@ -200,11 +203,14 @@ class ModelRunner:
         return None if self.lora is None else self.lora.slots.rows
 
     def _graph_variant(self) -> str:
-        """What besides the model, dtype and mode shapes the graph: the quantization, and the LoRA slots."""
-        if self.lora is None:
-            return self.loaded.quantization
-        slots = self.lora.slots
-        return f"{self.loaded.quantization}+lora{slots.num_slots}x{slots.max_rank}"
+        """What besides the model, dtype and mode shapes the graph: the quantization, the KV pool's dtype
+        where it is not the model's, and the LoRA slots."""
+        variant: str = self.loaded.quantization
+        if self.cache.shape.dtype != self.loaded.dtype:
+            variant += f"+kv-{self.cache.shape.dtype}"
+        if self.lora is not None:
+            variant += f"+lora{self.lora.slots.num_slots}x{self.lora.slots.max_rank}"
+        return variant
 
     def check_adapter(self, adapter: LoraRef) -> None:
         """Read and check an adapter's folder against the model, keeping it in the CPU store; AdapterError

@@ -70,10 +70,13 @@ def _paged_metadata(sequences: Sequence[ScheduledSequence], cache: PagedKVCache,
     decode_rows, decode_bias = _decode_layout(sequences[:num_decodes], tables[:num_decodes], cache)
     layout, prefill_rows = _prefill_layout(sequences[num_decodes:], tables[num_decodes:], num_decodes, cache)
     buffer_shape = (decode_rows.shape[0], cache.shape.block_size, cache.shape.head_dim)
+    pool_dtype, compute_dtype = cache.shape.dtype, cache.shape.compute_dtype or cache.shape.dtype
+    staging_shape = buffer_shape if pool_dtype != compute_dtype else (0, *buffer_shape[1:])
     return PagedMetadata(
         kv_pool=cache.device_pool, write_rows=write_rows, decode_rows=decode_rows, decode_bias=decode_bias,
-        decode_keys=torch.empty(buffer_shape, dtype=cache.shape.dtype, device=cache.device),
-        decode_values=torch.empty(buffer_shape, dtype=cache.shape.dtype, device=cache.device),
+        decode_keys=torch.empty(buffer_shape, dtype=compute_dtype, device=cache.device),
+        decode_values=torch.empty(buffer_shape, dtype=compute_dtype, device=cache.device),
+        decode_staging=torch.empty(staging_shape, dtype=pool_dtype, device=cache.device),
         prefill_layout=layout, prefill_rows=prefill_rows)
 
 

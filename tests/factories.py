@@ -8,6 +8,8 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 
+import torch
+
 from benchmarks.fake_executors import FakeExecutor, RecordingExecutor, is_decode
 from contract.plan import CacheGeometry, SamplingParams, StepPlan
 from gpu.models import LoadedModel
@@ -100,21 +102,21 @@ def run_to_completion(scheduler: Scheduler, executor: Executor, max_steps: int =
 
 
 def make_runner(loaded: LoadedModel, *, num_blocks: int, block_size: int = 16, num_cpu_blocks: int = 0,
-                max_model_len: int | None = None, seed: int = 0) -> ModelRunner:
+                max_model_len: int | None = None, seed: int = 0, kv_dtype: torch.dtype | None = None) -> ModelRunner:
     """A runner whose KV pools hold exactly num_blocks device blocks and num_cpu_blocks CPU blocks."""
-    bytes_per_block = kv_shape_of(loaded, block_size).bytes_per_block
+    bytes_per_block = kv_shape_of(loaded, block_size, kv_dtype).bytes_per_block
     budget = RunnerBudget(block_size=block_size, kv_cache_bytes=num_blocks * bytes_per_block,
                           swap_space_bytes=num_cpu_blocks * bytes_per_block, max_model_len=max_model_len,
-                          seed=seed)
+                          seed=seed, kv_cache_dtype=kv_dtype)
     return ModelRunner(loaded, budget)
 
 
 def make_engine(loaded: LoadedModel, *, num_blocks: int = 256, block_size: int = 16, num_cpu_blocks: int = 0,
                 config: SchedulerConfig | None = None, max_queued_requests: int = 1024,
-                seed: int = 0) -> Engine:
+                seed: int = 0, kv_dtype: torch.dtype | None = None) -> Engine:
     """An engine (not started) over a real runner for `loaded`, its executor a RecordingExecutor."""
     runner = make_runner(loaded, num_blocks=num_blocks, block_size=block_size, num_cpu_blocks=num_cpu_blocks,
-                         seed=seed)
+                         seed=seed, kv_dtype=kv_dtype)
     executor = RecordingExecutor(runner)
     scheduler = Scheduler(config or SchedulerConfig(), executor.geometry)
     return Engine(scheduler, executor, max_queued_requests=max_queued_requests)

@@ -36,7 +36,7 @@ def add_child_flags(parser: argparse.ArgumentParser) -> None:
 def run_compile(args: argparse.Namespace) -> int:
     import torch
 
-    from app.process.engine_factory import compile_config_of, load_model_for, lora_serving_of
+    from app.process.engine_factory import compile_config_of, kv_cache_dtype_of, load_model_for, lora_serving_of
     from gpu.background_compile import exit_with_parent, progress_line
     from gpu.runner import SCRATCH_POOL_BLOCKS, ModelRunner, RunnerBudget, kv_shape_of
 
@@ -57,9 +57,11 @@ def run_compile(args: argparse.Namespace) -> int:
     loaded = load_model_for(settings)
     # A pool of a few blocks: the graph takes any pool size (gpu/compiled.py), so the server's pool,
     # sized from its free memory, finds these artifacts all the same.
-    budget = RunnerBudget(block_size=settings.block_size,
-                          kv_cache_bytes=SCRATCH_POOL_BLOCKS * kv_shape_of(loaded, settings.block_size).bytes_per_block,
-                          swap_space_bytes=0, max_model_len=settings.max_model_len, seed=settings.seed)
+    kv_dtype = kv_cache_dtype_of(settings, loaded)  # the pool's dtype shapes the graph: the server's
+    block_bytes = kv_shape_of(loaded, settings.block_size, kv_dtype).bytes_per_block
+    budget = RunnerBudget(block_size=settings.block_size, kv_cache_bytes=SCRATCH_POOL_BLOCKS * block_bytes,
+                          swap_space_bytes=0, max_model_len=settings.max_model_len, seed=settings.seed,
+                          kv_cache_dtype=kv_dtype)
     runner = ModelRunner(loaded, budget, compile_config_of(settings, on_warm_up_step=report), lora_serving_of(settings))
     forward = runner.forward
     if args.progress_json:

@@ -9,6 +9,7 @@ import torch
 
 from config.settings import Settings
 from gpu.compiled import CompileConfig, CompileMode, CompileScope, WarmUpProgress
+from gpu.kv_cache import resolve_kv_cache_dtype
 from gpu.lora import LoraServing
 from gpu.models import LoadedModel, load_model
 from gpu.runner import ModelRunner, RunnerBudget
@@ -35,9 +36,14 @@ def build_runner(settings: Settings, loaded: LoadedModel, *, compile_in_backgrou
                           swap_space_bytes=settings.swap_space_bytes, max_model_len=settings.max_model_len,
                           seed=settings.seed, kv_cache_memory_fraction=settings.kv_cache_memory_fraction,
                           max_num_seqs=settings.max_num_seqs, host_cache_bytes=settings.kv_host_cache_bytes,
-                          disk_cache_path=settings.kv_disk_cache_path, disk_cache_bytes=settings.kv_disk_cache_bytes)
+                          disk_cache_path=settings.kv_disk_cache_path, disk_cache_bytes=settings.kv_disk_cache_bytes,
+                          kv_cache_dtype=kv_cache_dtype_of(settings, loaded))
     child = compile_child_command(settings) if compile_in_background and settings.compile_mode != "eager" else None
     return ModelRunner(loaded, budget, compile_config_of(settings, child_command=child), lora_serving_of(settings))
+
+
+def kv_cache_dtype_of(settings: Settings, loaded: LoadedModel) -> torch.dtype:
+    return resolve_kv_cache_dtype(settings.kv_cache_dtype, loaded.dtype, loaded.device)
 
 
 def compile_config_of(settings: Settings, *, child_command: tuple[str, ...] | None = None,

@@ -27,6 +27,8 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-memory-fraction", type=float,
                         help="the KV pool's share of the memory free after loading, without --kv-cache-bytes")
     parser.add_argument("--block-size", type=int)
+    parser.add_argument("--kv-cache-dtype", dest="kv_cache_dtype", choices=["auto", "float32", "bfloat16", "float16"],
+                        help="the KV cache's dtype (default auto: the fastest this machine reads)")
     parser.add_argument("--kv-host-cache-bytes", type=int,
                         help="the prefix cache's host-memory tier: blocks leaving the KV pool are kept here")
     parser.add_argument("--kv-disk-cache-path", help="the prefix cache's disk tier: a folder kept across restarts")
@@ -51,6 +53,7 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
 
 MODEL_FLAG_KEYS = ("model", "device", "dtype", "quantization", "linear_kernels", "max_num_seqs",
                    "max_num_batched_tokens", "kv_cache_bytes", "kv_cache_memory_fraction", "block_size",
+                   "kv_cache_dtype",
                    "compile_mode", "compile_scope", "compile_wait", "kv_host_cache_bytes", "kv_disk_cache_path",
                    "kv_disk_cache_bytes", "enable_lora", "max_loras", "max_cpu_loras", "max_lora_rank", "lora_modules")
 

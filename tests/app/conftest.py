@@ -38,9 +38,11 @@ MiB = 1024 * 1024
 TINY = "builtin:tiny"
 INSTANT = "instant"
 # Small on purpose: 64 blocks of 16 tokens for builtin:tiny, so KV accounting is easy to watch.
+# A float32 KV pool: the tests compare served tokens and log probabilities with transformers' float32
+# forward, and the CPU's default pool is bfloat16 (gpu/kv_cache.resolve_kv_cache_dtype).
 TINY_SETTINGS: dict[str, Any] = {"model": TINY, "device": "cpu", "kv_cache_bytes": 4 * MiB,
                                  "swap_space_bytes": 1 * MiB, "shutdown_grace_s": 2.0, "port": 0,
-                                 "compile_mode": "eager"}
+                                 "compile_mode": "eager", "kv_cache_dtype": "float32"}
 INSTANT_SETTINGS: dict[str, Any] = {"model": INSTANT, "kv_cache_bytes": 1 * MiB, "block_size": 16,
                                     "max_body_bytes": 64 * 1024, "shutdown_grace_s": 2.0, "port": 0}
 

@@ -23,7 +23,7 @@ def report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("bench") / "engine.json"
     code = main(["bench", "engine", "--model", "builtin:tiny", "--requests", "4", "--seed", "3",
                  "--prompt-len", "8:24", "--output-len", "4:12", "--static-batch-size", "2",
-                 "--kv-cache-bytes", str(4 * 1024 * 1024), "--max-num-seqs", "4",
+                 "--kv-cache-bytes", str(4 * 1024 * 1024), "--kv-cache-dtype", "float32", "--max-num-seqs", "4",
                  "--max-num-batched-tokens", "64", "--hf-compile", "eager", "--in-process", "--out", str(out)])
     assert code == 0
     data: dict[str, Any] = json.loads(Path(out).read_text())
@@ -88,8 +88,9 @@ def test_compiled_baselines_run_through_inductor_and_still_agree(tmp_path: Path)
     out = tmp_path / "engine.json"
     code = main(["bench", "engine", "--model", "builtin:tiny", "--requests", "2", "--seed", "3",
                  "--prompt-len", "8:16", "--output-len", "4:8", "--static-batch-size", "2",
-                 "--kv-cache-bytes", str(4 * 1024 * 1024), "--max-num-seqs", "4", "--max-num-batched-tokens", "64",
-                 "--compile", "eager", "--hf-compile", "default", "--in-process", "--out", str(out)])
+                 "--kv-cache-bytes", str(4 * 1024 * 1024), "--kv-cache-dtype", "float32", "--max-num-seqs", "4",
+                 "--max-num-batched-tokens", "64", "--compile", "eager", "--hf-compile", "default", "--in-process",
+                 "--out", str(out)])
     assert code == 0
     report = json.loads(out.read_text())
     assert report["config"]["hf_compile"] == "default"

@@ -12,10 +12,10 @@ import pytest
 import torch
 from torch import nn
 
+from contract.plan import SamplingParams, ScheduledSequence
 from gpu import linear_kernels
 from gpu.compiled import PackedForward, compilations_so_far
 from gpu.linear_kernels import ROW_BUCKETS, KernelPlan, measure_plan, plan_linear_kernels
-from contract.plan import SamplingParams, ScheduledSequence
 from gpu.models import LoadedModel, build_builtin, load_model
 from gpu.quantization import Int4WeightOnlyLinear, Int8WeightOnlyLinear, PackedLinear, int4_groups
 from gpu.step_inputs import build_step_inputs

@@ -41,7 +41,7 @@ INT4_ROW_MULTIPLE = 64  # output rows the packed int4 kernels tile by
 
 
 def rows_of(x: torch.Tensor) -> int:
-    return x.numel() // x.shape[-1] if x.shape[-1] else 0
+    return x.numel() // x.shape[-1]
 
 
 class PackedLinear(nn.Module):
@@ -177,11 +177,8 @@ def layer_modes(model: Any, mode: Quantization) -> dict[str, Quantization]:
     head = model.get_output_embeddings()
     modes: dict[str, Quantization] = {name: ("int8" if linear is head else mode)  # see the module's note on the head
                                       for name, linear in model.named_modules() if isinstance(linear, nn.Linear)}
-    kept = [name for name, layer_mode in modes.items() if not fits_kernel(model.get_submodule(name), layer_mode)]
-    if kept:
-        logger.info("%s: %d linear layer(s) keep float weights (shape the kernel cannot take): %s",
-                    mode, len(kept), ", ".join(kept[:4]))
-    return {name: layer_mode for name, layer_mode in modes.items() if name not in kept}
+    return {name: layer_mode for name, layer_mode in modes.items()
+            if fits_kernel(model.get_submodule(name), layer_mode)}
 
 
 def packed_linear(linear: nn.Linear, mode: Quantization, dense_dtype: torch.dtype | None = None,
@@ -196,6 +193,10 @@ def quantize_linears(model: Any, mode: Quantization, dense_dtype: torch.dtype | 
     """Replace every nn.Linear of the model (the LM head included) in place, each with a dense copy for
     steps of at least `dense_from_rows` rows when one is asked for; returns how many were."""
     modes = layer_modes(model, mode)
+    kept = [name for name, linear in model.named_modules() if isinstance(linear, nn.Linear) and name not in modes]
+    if kept and mode != "none":
+        logger.info("%s: %d linear layer(s) keep float weights (shape the kernel cannot take): %s",
+                    mode, len(kept), ", ".join(kept[:4]))
     for name, layer_mode in modes.items():
         model.set_submodule(name, packed_linear(model.get_submodule(name), layer_mode, dense_dtype, dense_from_rows))
     return len(modes)

@@ -10,7 +10,11 @@
 # "float32:auto,float32:none" (the default, which keeps the model's own precision, and float32 unquantized; each
 # with fairlane's default --compile). DEVICE, when set,
 # is passed to fairlane as --device. PROMPT_TOKENS (default 200) sets each request's prompt length: 1500 is
-# the long-prompt workload (chat histories, retrieval, agents).
+# the long-prompt workload (chat histories, retrieval, agents). MODEL, when set, is fairlane's --model (a
+# checkpoint folder: `fairlane bench make-checkpoint` makes the 1.1B one), and FAIRLANE_FLAGS adds flags to
+# every fairlane server; F16_GGUF may be left unset to run llama.cpp on the Q4_1 file alone. fairlane
+# always compiles before it serves (--compile-wait; seconds where the artifacts are on disk), so no
+# level is measured on the eager forward it serves while a first compile runs.
 set -euo pipefail
 out=${1:?usage: serve_comparison.sh OUT_DIR [CONCURRENCY] [FAIRLANE_MODES]}
 concurrency=${2:-1,8,32,64}
@@ -47,7 +51,9 @@ run_one() {  # label, then the server's command line
 
 reports=()
 if [ -n "${LLAMA_SERVER:-}" ]; then
-  for pair in "llama.cpp-F16:${F16_GGUF:?}" "llama.cpp-Q4_1:${Q4_GGUF:?}"; do
+  pairs=("llama.cpp-Q4_1:${Q4_GGUF:?}")
+  [ -n "${F16_GGUF:-}" ] && pairs=("llama.cpp-F16:$F16_GGUF" "${pairs[@]}")
+  for pair in "${pairs[@]}"; do
     label=${pair%%:*}
     run_one "$label" "$LLAMA_SERVER" -m "${pair#*:}" --host 127.0.0.1 --port "$port" -t "$(nproc)" \
       -c "$llama_ctx" -np 64 -cb
@@ -57,8 +63,10 @@ fi
 for mode in ${modes//,/ }; do
   IFS=: read -r dtype quantization compile <<<"$mode"
   label="fairlane-${mode//:/-}"
+  # shellcheck disable=SC2086  # FAIRLANE_FLAGS is a list of flags
   run_one "$label" "$bin/fairlane" serve --port "$port" --dtype "$dtype" --quantization "$quantization" \
-    ${compile:+--compile "$compile" --compile-wait} ${DEVICE:+--device "$DEVICE"} --max-num-seqs 64
+    ${compile:+--compile "$compile"} --compile-wait ${DEVICE:+--device "$DEVICE"} ${MODEL:+--model "$MODEL"} \
+    --max-num-seqs 64 ${FAIRLANE_FLAGS:-}
   reports+=("$out/$label.json")
 done
 "$bin/fairlane" bench serve --compare "${reports[@]}" | tee "$out/compare.txt"

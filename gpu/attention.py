@@ -149,9 +149,13 @@ def _prefill_attention(chunk: list[int], query: torch.Tensor, key: torch.Tensor,
     return out[0].transpose(0, 1)  # [num_queries, heads, dim]
 
 
-def _write(pool: torch.Tensor, rows: torch.Tensor, new: torch.Tensor) -> None:
-    """new: [kv_heads, tokens, dim], written head-major to the pool rows of its tokens, in the pool's dtype."""
-    pool.view(-1, pool.shape[3]).index_copy_(0, rows, new.reshape(-1, pool.shape[3]).to(pool.dtype))
+def _write(layer_pool: torch.Tensor, rows: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+    """key and value [kv_heads, tokens, dim], written head-major to the pool rows of their tokens, in the
+    pool's dtype, by one copy for both: a decode-only step is all per-call overhead (a dozen small calls
+    made this 65 us a layer, run once per layer per step)."""
+    dim = layer_pool.shape[-1]
+    new = torch.stack([key, value]).to(layer_pool.dtype).view(2, -1, dim)
+    layer_pool.view(2, -1, dim).index_copy_(1, rows, new)
 
 
 def _chunk_rows(query: torch.Tensor, num_decodes: Any) -> torch.Tensor:
@@ -164,12 +168,12 @@ def write_and_prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
                       prefill_rows: torch.Tensor, scaling: float) -> torch.Tensor:
     """Write this step's K/V of one layer into the pool, then attend the step's prefill chunks, each over
     its own context -> [tokens - num_decodes, heads, dim]."""
-    k_pool, v_pool = kv_pool[layer, 0], kv_pool[layer, 1]
-    _write(k_pool, write_rows, key[0])
-    _write(v_pool, write_rows, value[0])
+    layer_pool = kv_pool[layer]
+    _write(layer_pool, write_rows, key[0], value[0])
     out = _chunk_rows(query, num_decodes)
     if not prefill_layout.shape[0]:  # a decode-only step: no list to make, in each layer
         return out
+    k_pool, v_pool = layer_pool[0], layer_pool[1]
     for chunk in prefill_layout.tolist():
         span = slice(chunk[QUERY_START] - num_decodes, chunk[QUERY_START] - num_decodes + chunk[NUM_QUERIES])
         out[span] = _prefill_attention(chunk, query, key, value, k_pool, v_pool, prefill_rows, scaling)

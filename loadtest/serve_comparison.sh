@@ -11,7 +11,7 @@
 # with fairlane's default --compile). DEVICE, when set,
 # is passed to fairlane as --device. PROMPT_TOKENS (default 200) sets each request's prompt length: 1500 is
 # the long-prompt workload (chat histories, retrieval, agents). MODEL, when set, is fairlane's --model (a
-# checkpoint folder: `fairlane bench make-checkpoint` makes the 1.1B one), and FAIRLANE_FLAGS adds flags to
+# checkpoint folder: `fairlane bench make-checkpoint` makes the 1.1B one), and SERVE_FLAGS adds flags to
 # every fairlane server; F16_GGUF may be left unset to run llama.cpp on the Q4_1 file alone. fairlane
 # always compiles before it serves (--compile-wait; seconds where the artifacts are on disk), so no
 # level is measured on the eager forward it serves while a first compile runs.
@@ -28,8 +28,10 @@ llama_ctx=$(( llama_ctx > 65536 ? llama_ctx : 65536 ))
 bin=$(dirname "$0")/../.venv/bin
 mkdir -p "$out"
 
-wait_ready() {  # up to 10 minutes for the model to load (llama.cpp answers 503 while loading)
+wait_ready() {  # the server's pid; up to 10 minutes for the model to load (llama.cpp answers 503 while loading)
   for _ in $(seq 1 600); do
+    # A server that exited never answers; polling on would hand its port to the next run's server.
+    kill -0 "$1" 2>/dev/null || { echo "the server exited before it was ready" >&2; return 1; }
     curl -sf "http://127.0.0.1:$port/health" >/dev/null && return 0
     sleep 1
   done
@@ -42,7 +44,11 @@ run_one() {  # label, then the server's command line
   "$@" >"$out/$label.log" 2>&1 &
   local pid=$!
   trap 'kill $pid 2>/dev/null || true' EXIT
-  wait_ready
+  if ! wait_ready "$pid"; then
+    kill "$pid" 2>/dev/null || true; wait "$pid" 2>/dev/null || true
+    trap - EXIT
+    return 0
+  fi
   "$bin/fairlane" bench serve --url "http://127.0.0.1:$port" --concurrency "$concurrency" --label "$label" \
     --prompt-tokens "$prompt_tokens" --out "$out/$label.json" || true
   kill "$pid"; wait "$pid" 2>/dev/null || true
@@ -63,10 +69,10 @@ fi
 for mode in ${modes//,/ }; do
   IFS=: read -r dtype quantization compile <<<"$mode"
   label="fairlane-${mode//:/-}"
-  # shellcheck disable=SC2086  # FAIRLANE_FLAGS is a list of flags
+  # shellcheck disable=SC2086  # SERVE_FLAGS is a list of flags
   run_one "$label" "$bin/fairlane" serve --port "$port" --dtype "$dtype" --quantization "$quantization" \
     ${compile:+--compile "$compile"} --compile-wait ${DEVICE:+--device "$DEVICE"} ${MODEL:+--model "$MODEL"} \
-    --max-num-seqs 64 ${FAIRLANE_FLAGS:-}
+    --max-num-seqs 64 ${SERVE_FLAGS:-}
   reports+=("$out/$label.json")
 done
 "$bin/fairlane" bench serve --compare "${reports[@]}" | tee "$out/compare.txt"

@@ -51,8 +51,9 @@ def resolve_kv_cache_dtype(choice: str, model_dtype: torch.dtype, device: torch.
     """`auto`: bfloat16 for a float32 model on a CPU, else the model's dtype. A decode reads its whole
     context from the pool, and at long contexts that is most of what it reads: on 2 AVX2 cores, 8
     compiled SmolLM2 decodes over 1,536 tokens took 143 ms from a bfloat16 pool against 216 ms from a
-    float32 one (160 ms in float16), and one decode 38 against 45 ms. Widening bfloat16 is a shift,
-    which inductor fuses into the attention's reductions on any x86 CPU; the pool holds twice the
+    float32 one (160 ms in float16), and one decode 38 against 45 ms; run eagerly (the steps that take
+    dense copies, gpu/linear_kernels.py), 225 against 223 ms. Widening bfloat16 is a shift, which
+    inductor fuses into the attention's reductions on any x86 CPU; the pool holds twice the
     tokens; `fairlane bench quality` puts its cost in perplexity at docs/benchmarks/quality.md."""
     if choice != "auto":
         return KV_CACHE_DTYPES[choice]

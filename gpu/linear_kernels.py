@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from gpu.compiled import machine_key
-from gpu.quantization import PackedLinear, Quantization, layer_modes, packed_linear
+from gpu.quantization import DenseCopy, PackedLinear, Quantization, layer_modes, packed_linear
 
 logger = logging.getLogger(__name__)
 
@@ -47,12 +47,19 @@ Multiply = Callable[[torch.Tensor], torch.Tensor]
 
 @dataclass(frozen=True, slots=True)
 class KernelPlan:
-    """From `dense_from_rows` rows on, a step multiplies dense copies in `dense_dtype`; below, the packed
-    weights. None: the packed kernels at every row count (or nothing is packed)."""
+    """The dense copy the packed layers keep, if any (from its row count on a step multiplies it; below,
+    the packed weights). None: the packed kernels at every row count (or nothing is packed)."""
 
-    dense_dtype: torch.dtype | None = None
-    dense_from_rows: int | None = None
+    dense: DenseCopy | None = None
     step_linears_ms: dict[int, dict[str, float]] | None = None  # per bucket, per kernel: as measured
+
+    @property
+    def dense_dtype(self) -> torch.dtype | None:
+        return None if self.dense is None else self.dense.dtype
+
+    @property
+    def dense_from_rows(self) -> int | None:
+        return None if self.dense is None else self.dense.from_rows
 
     def takes_dense(self, rows: int) -> bool:
         return self.dense_from_rows is not None and rows >= self.dense_from_rows
@@ -131,7 +138,7 @@ def measure_plan(time_step: StepTimer, candidates: list[torch.dtype]) -> KernelP
             break
     if not streak:
         return KernelPlan(step_linears_ms=timings)
-    return KernelPlan(getattr(torch, fastest), streak[0], timings)
+    return KernelPlan(DenseCopy(getattr(torch, fastest), streak[0]), timings)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -153,9 +160,9 @@ def plan_as_json(plan: KernelPlan) -> dict[str, Any]:
 
 
 def plan_from_json(data: dict[str, Any]) -> KernelPlan:
-    dtype = data.get("dense_dtype")
-    return KernelPlan(None if dtype is None else getattr(torch, dtype), data.get("dense_from_rows"),
-                      {int(rows): row for rows, row in data.get("step_linears_ms", {}).items()})
+    dtype, from_rows = data.get("dense_dtype"), data.get("dense_from_rows")
+    dense = None if dtype is None or from_rows is None else DenseCopy(getattr(torch, dtype), from_rows)
+    return KernelPlan(dense, {int(rows): row for rows, row in data.get("step_linears_ms", {}).items()})
 
 
 def plan_linear_kernels(model: nn.Module, mode: Quantization, model_dtype: torch.dtype, device: torch.device, *,

@@ -236,10 +236,10 @@ def load_model(spec: str, *, device: str = "auto", dtype: str = "auto", seed: in
     plan = plan_linear_kernels(model, mode, torch_dtype, torch_device, choice=linear_kernels,
                                native_bfloat16=torch_device.type == "cuda" or cpu_has_native_bfloat16(),
                                cache_dir=None if kernel_plan_dir is None else Path(kernel_plan_dir))
-    quantize_linears(model, mode, plan.dense_dtype, plan.dense_from_rows)
-    if plan.dense_from_rows is not None:
+    quantize_linears(model, mode, plan.dense)
+    if plan.dense is not None:
         logger.info("dense copies of the packed layers for steps of %d rows or more: %.0f MiB of %s",
-                    plan.dense_from_rows, dense_copy_bytes(model) / 2**20, plan.dense_dtype)
+                    plan.dense.from_rows, dense_copy_bytes(model) / 2**20, plan.dense.dtype)
     if mode != quantization:
         logger.info("quantization %s: %s (the precision %s ships in)", quantization, mode, spec)
     return LoadedModel(spec, model, tokenizer, context_length_of(model.config), torch_dtype, torch_device, mode, plan)

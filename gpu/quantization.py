@@ -14,8 +14,8 @@ against 3.4 ms in bfloat16, 13.5 ms unquantized), so a float32 model on the CPU 
 activations in bfloat16 and takes the result back in float32. A layer whose shape a kernel cannot
 take keeps its float weight.
 
-A packed layer may also keep a dense copy of the same quantized values (`dense_dtype`), multiplied
-instead of the packed weight when a step has at least `dense_from_rows` rows: a prompt chunk or a large
+A packed layer may also keep a dense copy of the same quantized values (`DenseCopy`), multiplied
+instead of the packed weight when a step has at least its `from_rows` rows: a prompt chunk or a large
 batch computes more than it reads, and there a dense GEMM is the faster kernel on some CPUs (measured
 per machine: gpu/linear_kernels.py). The copy holds the integers times their scales, so both kernels
 compute with the same weights. Inside a compiled graph the packed kernel always runs: the runner sends
@@ -25,6 +25,8 @@ the steps that take the dense copy down its eager forward (gpu/compiled.py).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
@@ -44,19 +46,27 @@ def rows_of(x: torch.Tensor) -> int:
     return x.numel() // x.shape[-1]
 
 
+@dataclass(frozen=True, slots=True)
+class DenseCopy:
+    """A packed layer's values kept dense in `dtype` too, multiplied instead from `from_rows` rows on."""
+
+    dtype: torch.dtype
+    from_rows: int
+
+
 class PackedLinear(nn.Module):
     """What the packed layers share: the optional dense copy and the choice between it and the packed kernel."""
 
     dense_weight: torch.Tensor | None
     bias: torch.Tensor | None
 
-    def keep_dense_copy(self, weight: torch.Tensor | None, from_rows: int | None) -> None:
-        """`weight`: the dequantized values [out, in] in the dtype the dense GEMM runs in; None: none kept."""
-        self.register_buffer("dense_weight", weight if from_rows is not None else None)
-        self.dense_from_rows = from_rows if weight is not None else None
+    def keep_dense_copy(self, dense: DenseCopy | None, values: Callable[[], torch.Tensor]) -> None:
+        """`values()`: the dequantized weight [out, in], made only when a copy is kept."""
+        self.register_buffer("dense_weight", None if dense is None else values().to(dense.dtype))
+        self.dense_from_rows = 0 if dense is None else dense.from_rows
 
     def takes_dense(self, x: torch.Tensor) -> bool:
-        if torch.compiler.is_compiling() or self.dense_weight is None or self.dense_from_rows is None:
+        if self.dense_weight is None or torch.compiler.is_compiling():
             return False
         return rows_of(x) >= self.dense_from_rows
 
@@ -75,8 +85,7 @@ def kernel_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
 class Int8WeightOnlyLinear(PackedLinear):
     """y = x @ (q * scale)^T (+ bias), q int8 per output row."""
 
-    def __init__(self, linear: nn.Linear, dense_dtype: torch.dtype | None = None,
-                 dense_from_rows: int | None = None) -> None:
+    def __init__(self, linear: nn.Linear, dense: DenseCopy | None = None) -> None:
         super().__init__()
         weight = linear.weight.detach().float()
         scales = weight.abs().amax(dim=1).clamp(min=1e-12) / 127.0
@@ -87,8 +96,7 @@ class Int8WeightOnlyLinear(PackedLinear):
         self.register_buffer("scales", kernel_scales)
         self.bias = linear.bias
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        dense = None if dense_dtype is None else (quantized.float() * kernel_scales.float()[:, None]).to(dense_dtype)
-        self.keep_dense_copy(dense, dense_from_rows)
+        self.keep_dense_copy(dense, lambda: quantized.float() * kernel_scales.float()[:, None])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.takes_dense(x):
@@ -114,8 +122,7 @@ def int4_groups(weight: torch.Tensor, group_size: int = INT4_GROUP_SIZE
 class Int4WeightOnlyLinear(PackedLinear):
     """y = x @ W^T (+ bias) with W stored as 4-bit groups; the kernel computes (q - 8) * scale + zero."""
 
-    def __init__(self, linear: nn.Linear, group_size: int = INT4_GROUP_SIZE, dense_dtype: torch.dtype | None = None,
-                 dense_from_rows: int | None = None) -> None:
+    def __init__(self, linear: nn.Linear, group_size: int = INT4_GROUP_SIZE, dense: DenseCopy | None = None) -> None:
         super().__init__()
         q, scales, minimums = int4_groups(linear.weight.detach(), group_size)
         zeros = minimums + 8.0 * scales
@@ -127,8 +134,7 @@ class Int4WeightOnlyLinear(PackedLinear):
         self.group_size = group_size
         self.bias = linear.bias
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        dense = None if dense_dtype is None else int4_dequantized(q, scales_and_zeros, group_size).to(dense_dtype)
-        self.keep_dense_copy(dense, dense_from_rows)
+        self.keep_dense_copy(dense, lambda: int4_dequantized(q, scales_and_zeros, group_size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.takes_dense(x):
@@ -181,22 +187,20 @@ def layer_modes(model: Any, mode: Quantization) -> dict[str, Quantization]:
             if fits_kernel(model.get_submodule(name), layer_mode)}
 
 
-def packed_linear(linear: nn.Linear, mode: Quantization, dense_dtype: torch.dtype | None = None,
-                  dense_from_rows: int | None = None) -> PackedLinear:
+def packed_linear(linear: nn.Linear, mode: Quantization, dense: DenseCopy | None = None) -> PackedLinear:
     if mode == "int8":
-        return Int8WeightOnlyLinear(linear, dense_dtype, dense_from_rows)
-    return Int4WeightOnlyLinear(linear, dense_dtype=dense_dtype, dense_from_rows=dense_from_rows)
+        return Int8WeightOnlyLinear(linear, dense)
+    return Int4WeightOnlyLinear(linear, dense=dense)
 
 
-def quantize_linears(model: Any, mode: Quantization, dense_dtype: torch.dtype | None = None,
-                     dense_from_rows: int | None = None) -> int:
-    """Replace every nn.Linear of the model (the LM head included) in place, each with a dense copy for
-    steps of at least `dense_from_rows` rows when one is asked for; returns how many were."""
+def quantize_linears(model: Any, mode: Quantization, dense: DenseCopy | None = None) -> int:
+    """Replace every nn.Linear of the model (the LM head included) in place, each with the dense copy
+    asked for, if any; returns how many were."""
     modes = layer_modes(model, mode)
     kept = [name for name, linear in model.named_modules() if isinstance(linear, nn.Linear) and name not in modes]
     if kept and mode != "none":
         logger.info("%s: %d linear layer(s) keep float weights (shape the kernel cannot take): %s",
                     mode, len(kept), ", ".join(kept[:4]))
     for name, layer_mode in modes.items():
-        model.set_submodule(name, packed_linear(model.get_submodule(name), layer_mode, dense_dtype, dense_from_rows))
+        model.set_submodule(name, packed_linear(model.get_submodule(name), layer_mode, dense))
     return len(modes)

@@ -115,8 +115,7 @@ class ModelRunner:
         self.background: BackgroundCompile | None = None  # set when the forward is compiled after start-up
         self._awaits_compiled = False  # until the switch: each step asks the background compile, then none
         if compilation.mode != "eager" and compilation.child_command is not None:
-            self.forward = PackedForward(self.model, "eager", self._lora_rows(),
-                                         dense_from_rows=loaded.kernel_plan.dense_from_rows)
+            self.forward = PackedForward(self.model, "eager", self._lora_rows())
             # A folder a warm-up has filled before: no child to wait for, the artifacts are loaded at once.
             found = (self.artifact_folder is not None
                      and compiled_marker(self.artifact_folder, budget.block_size).is_file())

@@ -17,7 +17,7 @@ from gpu import linear_kernels
 from gpu.compiled import PackedForward, compilations_so_far
 from gpu.linear_kernels import ROW_BUCKETS, KernelPlan, measure_plan, plan_linear_kernels
 from gpu.models import LoadedModel, build_builtin, load_model
-from gpu.quantization import Int4WeightOnlyLinear, Int8WeightOnlyLinear, PackedLinear, int4_groups
+from gpu.quantization import DenseCopy, Int4WeightOnlyLinear, Int8WeightOnlyLinear, PackedLinear, int4_groups
 from gpu.step_inputs import build_step_inputs
 from tests.factories import assert_kv_all_free, collect, make_engine, make_request, make_runner, running, tokens_of
 from tests.gpu.reference import byte_prompt, hf_logits
@@ -28,8 +28,8 @@ def packed_pair(kind: type[PackedLinear]) -> tuple[nn.Module, nn.Module]:
     torch.manual_seed(0)
     linear = nn.Linear(128, 64, bias=True)
     if kind is Int4WeightOnlyLinear:
-        return Int4WeightOnlyLinear(linear), Int4WeightOnlyLinear(linear, dense_dtype=torch.float32, dense_from_rows=4)
-    return Int8WeightOnlyLinear(linear), Int8WeightOnlyLinear(linear, torch.float32, 4)
+        return Int4WeightOnlyLinear(linear), Int4WeightOnlyLinear(linear, dense=DenseCopy(torch.float32, 4))
+    return Int8WeightOnlyLinear(linear), Int8WeightOnlyLinear(linear, DenseCopy(torch.float32, 4))
 
 
 @pytest.mark.parametrize("kind", [Int4WeightOnlyLinear, Int8WeightOnlyLinear])
@@ -51,7 +51,7 @@ def test_an_int4_dense_copy_is_the_groups_integers_times_their_scales() -> None:
     linear = nn.Linear(64, 64, bias=False)
     q, scales, minimums = int4_groups(linear.weight.detach())
     expected = (q.float().reshape(64, 2, 32) * scales[..., None] + minimums[..., None]).reshape(64, 64)
-    layer = Int4WeightOnlyLinear(linear, dense_dtype=torch.float32, dense_from_rows=1)
+    layer = Int4WeightOnlyLinear(linear, dense=DenseCopy(torch.float32, 1))
     assert layer.dense_weight is not None
     # The kernel's scales and zeros are bfloat16: the copy has the values the kernel computes with.
     torch.testing.assert_close(layer.dense_weight, expected, rtol=0, atol=float(scales.max()) * 2**-7 * 16)
@@ -90,12 +90,13 @@ def test_the_plan_is_measured_once_per_machine(tmp_path: Path, monkeypatch: pyte
 
     def measure(time_step: linear_kernels.StepTimer, candidates: list[torch.dtype]) -> KernelPlan:
         calls.append(1)
-        return KernelPlan(torch.float32, 32, {1: {"packed": 1.0, "float32": 2.0}})
+        return KernelPlan(DenseCopy(torch.float32, 32), {1: {"packed": 1.0, "float32": 2.0}})
 
     monkeypatch.setattr(linear_kernels, "measure_plan", measure)
     plans = [plan_linear_kernels(model, "int8", torch.float32, torch.device("cpu"), native_bfloat16=False,
                                  cache_dir=tmp_path) for _ in range(2)]
-    assert calls == [1] and plans[0] == plans[1] == KernelPlan(torch.float32, 32, {1: {"packed": 1.0, "float32": 2.0}})
+    measured = KernelPlan(DenseCopy(torch.float32, 32), {1: {"packed": 1.0, "float32": 2.0}})
+    assert calls == [1] and plans[0] == plans[1] == measured
     [kept] = tmp_path.glob("linear-kernels-*.json")
     assert json.loads(kept.read_text())["dense_from_rows"] == 32
     packed = plan_linear_kernels(model, "int8", torch.float32, torch.device("cpu"), native_bfloat16=False,
@@ -129,7 +130,7 @@ def test_a_compiled_forward_sends_steps_from_the_dense_row_count_down_its_eager_
 
 
 async def test_a_quantized_model_with_dense_copies_serves_its_prompts(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(linear_kernels, "measure_plan", lambda *_: KernelPlan(torch.float32, 8))
+    monkeypatch.setattr(linear_kernels, "measure_plan", lambda *_: KernelPlan(DenseCopy(torch.float32, 8)))
     loaded = load_model("builtin:tiny", device="cpu", dtype="float32", quantization="int8", linear_kernels="auto")
     copies = [m for m in loaded.model.modules() if isinstance(m, PackedLinear)]
     assert copies and all(m.dense_weight is not None and m.dense_from_rows == 8 for m in copies)

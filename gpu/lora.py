@@ -35,8 +35,10 @@ from contract.plan import LoraRef
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
-# The projections of the supported architectures (Llama, Qwen2, Mistral) an adapter may target.
-TARGET_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# The projections an adapter may target: Llama's names, which most architectures share, and Phi-3's fused
+# ones (an adapter on a fused projection is one A and one B like any other: its B spans the fused outputs).
+TARGET_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj",
+                      "gate_up_proj")
 BASE_SLOT = -1  # a token of the base model: no adapter delta
 _PEFT_PREFIX = "base_model.model."
 

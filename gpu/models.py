@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from gpu.capabilities import check_architecture, text_config_of
 from gpu.linear_kernels import KernelPlan, LinearKernels, dense_copy_bytes, plan_linear_kernels
 from gpu.quantization import Quantization, QuantizationChoice, quantize_linears
 from gpu.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
@@ -134,7 +135,7 @@ def gguf_digest(path: Path) -> str:
 
 
 def convert_gguf(path: Path, cache_dir: Path) -> Path:
-    """Dequantize a GGUF file (any family transformers reads: Llama, Qwen2, Mistral) once and keep a
+    """Dequantize a GGUF file (any family transformers' GGUF reader knows) once and keep a
     safetensors checkpoint of it, with its tokenizer and chat template: later loads of the same file,
     by the packaged default's spec or by its path, skip the slow part (tens of seconds for 135M
     parameters). `quantization = "int4"` then packs the blocks again in Q4_1's own layout."""
@@ -232,6 +233,7 @@ def load_model(spec: str, *, device: str = "auto", dtype: str = "auto", seed: in
         model, tokenizer = load_checkpoint(convert_gguf(Path(spec), Path(cache_dir)), torch_dtype)
     else:
         model, tokenizer = load_checkpoint(Path(spec), torch_dtype)
+    check_architecture(spec, model.config)
     model = model.to(device=torch_device, dtype=torch_dtype)
     plan = plan_linear_kernels(model, mode, torch_dtype, torch_device, choice=linear_kernels,
                                native_bfloat16=torch_device.type == "cuda" or cpu_has_native_bfloat16(),
@@ -246,10 +248,6 @@ def load_model(spec: str, *, device: str = "auto", dtype: str = "auto", seed: in
 
 
 def context_length_of(config: Any) -> int:
-    """The longest context served. The paged attention attends to the whole context, so a model with
-    a sliding window (Mistral's) is served up to its window, where both agree."""
-    max_len = int(getattr(config, "max_position_embeddings", 2048))
-    window = getattr(config, "sliding_window", None)
-    if isinstance(window, int) and window > 0 and getattr(config, "use_sliding_window", True):
-        max_len = min(max_len, window)
-    return max_len
+    """The longest context served: the model's positions. A sliding window does not cap it: each windowed
+    layer's attention hides the keys that fell out of its window (gpu/attention.py), over the same pool."""
+    return int(getattr(text_config_of(config), "max_position_embeddings", None) or 2048)

@@ -14,6 +14,7 @@ import torch
 from contract.plan import CacheGeometry, LoraRef, ScheduledSequence, StepPlan, StepResult, StructuredOutput, TierCopies
 from gpu.attention import ATTENTION_NAME
 from gpu.background_compile import BackgroundCompile, CompileStatus
+from gpu.capabilities import capability_line, probe_attention, text_config_of
 from gpu.compiled import (
     CompileConfig,
     PackedForward,
@@ -75,7 +76,7 @@ def kv_pool_bytes(budget: RunnerBudget, bytes_per_block: int, max_model_len: int
 
 
 def kv_shape_of(loaded: LoadedModel, block_size: int, kv_dtype: torch.dtype | None = None) -> KVShape:
-    config = loaded.model.config
+    config = text_config_of(loaded.model.config)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     return KVShape(config.num_hidden_layers, kv_heads, head_dim, block_size, kv_dtype or loaded.dtype, loaded.dtype)
@@ -89,11 +90,13 @@ class ModelRunner:
         self.loaded = loaded
         self.model = loaded.model
         self.model.set_attn_implementation(ATTENTION_NAME)
+        shape = kv_shape_of(loaded, budget.block_size, budget.kv_cache_dtype)
+        self.attention = probe_attention(loaded.name, self.model, shape, loaded.device)
+        logger.info("%s", capability_line(loaded.name, self.model.config, self.attention))
         # The adapters wrap the linear layers before the forward is built; None: the base model alone.
         self.lora = None if lora is None else LoraRuntime(self.model, lora)
         compilation = compilation or CompileConfig()
         self.device = loaded.device
-        shape = kv_shape_of(loaded, budget.block_size, budget.kv_cache_dtype)
         max_len = min(loaded.max_model_len, budget.max_model_len or loaded.max_model_len)
         pool_bytes = kv_pool_bytes(budget, shape.bytes_per_block, max_len, self.device)
         self.cache = PagedKVCache(shape, pool_bytes // shape.bytes_per_block,

@@ -67,13 +67,14 @@ def build_step_inputs(sequences: Sequence[ScheduledSequence], cache: PagedKVCach
 def _paged_metadata(sequences: Sequence[ScheduledSequence], cache: PagedKVCache, tables: torch.Tensor,
                     write_rows: torch.Tensor) -> PagedMetadata:
     num_decodes = sum(1 for s in sequences if len(s.token_ids) == 1)
-    decode_rows, decode_bias = _decode_layout(sequences[:num_decodes], tables[:num_decodes], cache)
+    decode_rows, decode_bias, decode_lengths = _decode_layout(sequences[:num_decodes], tables[:num_decodes], cache)
     layout, prefill_rows = _prefill_layout(sequences[num_decodes:], tables[num_decodes:], num_decodes, cache)
     buffer_shape = (decode_rows.shape[0], cache.shape.block_size, cache.shape.head_dim)
     pool_dtype, compute_dtype = cache.shape.dtype, cache.shape.compute_dtype or cache.shape.dtype
     staging_shape = buffer_shape if pool_dtype != compute_dtype else (0, *buffer_shape[1:])
     return PagedMetadata(
         kv_pool=cache.device_pool, write_rows=write_rows, decode_rows=decode_rows, decode_bias=decode_bias,
+        decode_lengths=decode_lengths,
         decode_keys=torch.empty(buffer_shape, dtype=compute_dtype, device=cache.device),
         decode_values=torch.empty(buffer_shape, dtype=compute_dtype, device=cache.device),
         decode_staging=torch.empty(staging_shape, dtype=pool_dtype, device=cache.device),
@@ -87,18 +88,20 @@ def context_rows(blocks: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
 
 
 def _decode_layout(decodes: Sequence[ScheduledSequence], tables: torch.Tensor, cache: PagedKVCache
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Whole blocks of every decode's context, padded to the longest, and the bias that hides the padding."""
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Whole blocks of every decode's context, padded to the longest, the bias that hides the padding, and
+    each decode's context length."""
     device, block_size = tables.device, cache.shape.block_size
     if not decodes:  # one block wide all the same: a zero there gives the bias other strides than a
         # non-empty one has, and a compiled graph may guard on strides
-        return torch.empty(0, dtype=torch.long, device=device), torch.zeros((0, 1, 1, block_size), device=device)
+        empty = torch.empty(0, dtype=torch.long, device=device)
+        return empty, torch.zeros((0, 1, 1, block_size), device=device), empty.clone()
     lengths = torch.tensor([s.start_position + 1 for s in decodes], device=device)
     num_blocks = -(-max(s.start_position + 1 for s in decodes) // block_size)  # from the plan, not the device
     rows = context_rows(tables[:, :num_blocks], cache.shape.num_kv_heads).reshape(-1)
     keys = torch.arange(num_blocks * block_size, device=device)
     hidden = (keys[None, :] >= lengths[:, None])[:, None, None, :]
-    return rows, torch.zeros(hidden.shape, device=device).masked_fill(hidden, float("-inf"))
+    return rows, torch.zeros(hidden.shape, device=device).masked_fill(hidden, float("-inf")), lengths
 
 
 def _prefill_layout(chunks: Sequence[ScheduledSequence], tables: torch.Tensor, query_start: int,

@@ -7,7 +7,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from config.settings import Settings
+from config.settings import Settings, SettingsError
+from gpu.attention import UnsupportedAttention
 from gpu.compiled import CompileConfig, CompileMode, CompileScope, WarmUpProgress
 from gpu.kv_cache import resolve_kv_cache_dtype
 from gpu.lora import LoraServing
@@ -113,6 +114,9 @@ def build_engine(settings: Settings, loaded: LoadedModel | None = None, tenants:
     try:
         runner = step_thread.submit(lambda: build_runner(settings, loaded or load_model_for(settings),
                                                          compile_in_background=compile_in_background)).result()
+    except UnsupportedAttention as exc:  # a model refused by name: a bad --model, said in one line
+        step_thread.shutdown()
+        raise SettingsError(str(exc)) from exc
     except BaseException:
         step_thread.shutdown()
         raise

@@ -4,6 +4,7 @@ different adapters and of the base model mix in one forward, and a bad folder is
 from __future__ import annotations
 
 import json
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ from gpu.lora import (
 from gpu.models import load_model
 from gpu.quantization import quantize_linears
 from gpu.runner import ModelRunner, RunnerBudget, kv_shape_of
+from tests.gpu.architectures import build_model
 from tests.gpu.reference import byte_prompt
 from tests.isolation import in_fresh_process
 
@@ -200,3 +202,24 @@ def test_a_compiled_runner_serves_adapters_in_one_graph(adapter_folders: dict[st
         torch.testing.assert_close(got, expected, atol=1e-2, rtol=0)
         assert got.argmax(-1).tolist() == expected.argmax(-1).tolist()
     assert compiled.forward.num_graphs == 1 and compiled.forward.recompilations == 0
+
+
+def test_an_adapter_on_fused_projections_computes_what_peft_computes() -> None:
+    """Phi-3 fuses q/k/v into `qkv_proj` and gate/up into `gate_up_proj`: an adapter on them is served."""
+    peft_model = get_peft_model(build_model("phi3"), LoraConfig(
+        r=4, lora_alpha=8, init_lora_weights=False, target_modules=["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]))
+    with torch.no_grad():
+        for name, parameter in peft_model.named_parameters():
+            if "lora_" in name:
+                parameter.copy_(torch.randn(parameter.shape, generator=torch.Generator().manual_seed(3)) * 0.2)
+    with tempfile.TemporaryDirectory() as folder:
+        peft_model.save_pretrained(folder)
+        model = build_model("phi3")
+        slots = LoraSlots(model, num_slots=1, max_rank=8)
+        slots.place(0, read_adapter("fused", Path(folder), model, max_rank=8))
+    text = [5, 17, 33, 2, 9, 40, 41, 42]
+    slots.select(torch.zeros(len(text), dtype=torch.long))
+    expected = logits_of(peft_model.eval(), text)
+    torch.testing.assert_close(logits_of(model, text), expected, rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(expected, logits_of(build_model("phi3"), text), atol=1e-3)
+    assert {name.rsplit(".", 1)[-1] for name in slots.layers} >= {"qkv_proj", "gate_up_proj"}

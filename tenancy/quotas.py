@@ -93,6 +93,15 @@ class TenantQuotas:
         self._in_flight[tenant.tenant_id] += 1
         return Admission(tenant, wanted, headers=self._headers(tenant))
 
+    def check_fits(self, tenant: Tenant, num_requests: int) -> None:
+        """QuotaExceeded (a 400) for a request of more engine requests (its choices, its prompts) than the
+        tenant may ever have in flight: a 429 would send a client, or the batch runner, to retry it forever."""
+        limit = self._request_limit(tenant)
+        if limit is not None and num_requests > limit:
+            raise QuotaExceeded(400, f"this request needs {num_requests} requests in flight at once (one per "
+                                     f"prompt and choice); this tenant may have at most {limit}",
+                                "too_many_generations", {})
+
     def release(self, admission: Admission, used_tokens: int) -> None:
         """The request ended: free its slot and refund the tokens it was charged but did not use."""
         if admission.released:

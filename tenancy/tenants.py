@@ -90,6 +90,11 @@ class TenantRegistry:
     def __iter__(self) -> Any:
         return iter(self._tenants.values())
 
+    def is_listed(self, tenant_id: str) -> bool:
+        """Whether the id is a tenant of the file (every id is, without a file): work stored for an id the
+        file no longer lists must end, not run under an unlimited stand-in."""
+        return not self.requires_auth or tenant_id in self._tenants
+
     def get(self, tenant_id: str) -> Tenant:
         """The tenant, or an unlimited weight-1 stand-in for ids not in the file (tests, tools). The
         scheduler asks for every sequence of every step, so stand-ins are made once."""
@@ -202,7 +207,9 @@ def load_tenants(path: str | Path) -> TenantRegistry:
         raise TenantsFileError(f"tenants file {path}: expected one or more [[tenants]] entries")
     tenants = [parse_tenant(i, data) for i, data in enumerate(entries)]
     check_unique_ids(tenants)
-    return TenantRegistry(tenants, requires_auth=True, admin_key_hashes=_parse_admin(document.get("admin")),
+    admin_key_hashes = _parse_admin(document.get("admin"))
+    check_unique_keys(tenants, admin_key_hashes)
+    return TenantRegistry(tenants, requires_auth=True, admin_key_hashes=admin_key_hashes,
                           adapters=_parse_adapters(document.get("adapters", [])))
 
 
@@ -212,6 +219,18 @@ def check_unique_ids(tenants: Iterable[Tenant]) -> None:
         if tenant.tenant_id in seen:
             raise TenantsFileError(f"tenants[{i}]: 'id' '{tenant.tenant_id}' appears twice")
         seen.add(tenant.tenant_id)
+
+
+def check_unique_keys(tenants: Iterable[Tenant], admin_key_hashes: Iterable[str]) -> None:
+    """One key opens one door: a hash listed twice would let the last tenant with it win, silently."""
+    owner: dict[str, str] = {key_hash: "admin" for key_hash in admin_key_hashes}
+    for i, tenant in enumerate(tenants):
+        for key_hash in tenant.api_key_hashes:
+            if key_hash in owner:
+                holder = "the admin" if owner[key_hash] == "admin" else f"tenant '{owner[key_hash]}'"
+                raise TenantsFileError(f"tenants[{i}] ('{tenant.tenant_id}'): a key hash it lists is also "
+                                       f"{holder}'s; each key must open one door")
+            owner[key_hash] = tenant.tenant_id
 
 
 def _parse_adapters(raw: Any) -> tuple[AdapterEntry, ...]:

@@ -26,7 +26,8 @@ class BatchAPI:
         file is not a sound SQLite database, so start-up stops there instead of answering 500s later."""
         store = BatchStore(settings.batch_db_path)
         runner = BatchRunner(store, execute, max_in_flight=settings.batch_max_in_flight,
-                             poll_seconds=settings.batch_poll_s)
+                             poll_seconds=settings.batch_poll_s, weight_of=gate.tenants.weight,
+                             is_tenant=gate.tenants.is_listed)
         routes = BatchRoutes(gate, store, runner, model_name=model_name, max_upload_bytes=settings.max_upload_bytes,
                              window_seconds=settings.batch_window_s).routes()
         return cls(store, runner, routes)

@@ -186,6 +186,7 @@ class ChoiceStarter:
 
     def _admit_all(self, tenant: Tenant, requests: list[EngineRequest]) -> dict[str, str]:
         """Take the tenant's quota for every choice, or for none."""
+        self.context.gate.check_fits(tenant, len(requests))
         headers: dict[str, str] = {}
         admitted: list[EngineRequest] = []
         try:

@@ -89,10 +89,16 @@ class AdmissionGate:
         try:
             admission = self.quotas.admit(tenant, request.num_prompt_tokens, request.max_tokens)
         except QuotaExceeded as exc:
-            error_type = RATE_LIMIT_ERROR if exc.status == 429 else "invalid_request_error"
-            raise APIError(exc.status, exc.message, type=error_type, code=exc.code, headers=exc.headers) from None
+            raise _api_error(exc) from None
         self._held[request.request_id] = admission
         return admission
+
+    def check_fits(self, tenant: Tenant, num_requests: int) -> None:
+        """A 400 for a request of more engine requests than the tenant may ever have in flight."""
+        try:
+            self.quotas.check_fits(tenant, num_requests)
+        except QuotaExceeded as exc:
+            raise _api_error(exc) from None
 
     def cancel(self, request_id: RequestId) -> None:
         """The engine refused the request after the gate let it in: give the quota back unused."""
@@ -107,3 +113,8 @@ class AdmissionGate:
         admission = self._held.pop(request.request_id, None)
         if admission is not None:
             self.quotas.release(admission, event.num_prompt_tokens + event.num_output_tokens)
+
+
+def _api_error(exc: QuotaExceeded) -> APIError:
+    error_type = RATE_LIMIT_ERROR if exc.status == 429 else "invalid_request_error"
+    return APIError(exc.status, exc.message, type=error_type, code=exc.code, headers=exc.headers)

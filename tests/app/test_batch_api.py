@@ -19,13 +19,14 @@ from tests.app.conftest import ServerThread, instant_context, stepped_server, wa
 from tests.app.test_shutdown import ServedProcess
 from tests.tenants_files import tenants_toml
 
-KEYS = {"alice": "fl-alice-batch", "bob": "fl-bob-batch"}
+KEYS = {"alice": "fl-alice-batch", "bob": "fl-bob-batch", "carol": "fl-carol-batch"}
+CAPPED = {"carol": {"max_concurrent": 1, "max_queued": 1}}  # at most 2 requests in flight
 
 
 @pytest.fixture(scope="module")
 def tenants_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("batch-tenants") / "tenants.toml"
-    path.write_text(tenants_toml(KEYS))
+    path.write_text(tenants_toml(KEYS, settings=CAPPED))
     return path
 
 
@@ -104,6 +105,23 @@ def test_batch_runs_every_item_through_the_official_client(server: ServerThread)
     assert [(e["custom_id"], e["response"]["status_code"]) for e in errors] == [("bad-temp", 400)]
     batch_requests = [r for r in server.engine.submitted if r.request_id.startswith("chatcmpl-")]
     assert batch_requests and all(r.priority.value == "batch" and r.tenant_id == "alice" for r in batch_requests)
+
+
+def test_a_line_that_can_never_be_admitted_fails_alone_at_once(server: ServerThread) -> None:
+    """n = 3 needs 3 requests in flight where carol may have 2: a 400 error line, not a retry every second
+    until the window expires."""
+    client = client_for(server, "carol")
+    lines = [item(f"ok-{i}", server.model_name) for i in range(3)] + [item("too-many", server.model_name, n=3)]
+    batch = client.batches.create(input_file_id=upload(client, lines), endpoint="/v1/chat/completions",
+                                  completion_window="24h")
+    done = wait_for_status(client, batch.id, ("completed",), timeout=30)
+    assert (done.request_counts.completed, done.request_counts.failed) == (3, 1)
+    errors = output_lines(client, done.error_file_id)
+    assert [(e["custom_id"], e["response"]["status_code"]) for e in errors] == [("too-many", 400)]
+    assert errors[0]["response"]["body"]["error"]["code"] == "too_many_generations"
+    with pytest.raises(openai.BadRequestError, match="at most 2"):
+        client.chat.completions.create(model=server.model_name, n=3, max_tokens=2,
+                                       messages=[{"role": "user", "content": "hi"}])
 
 
 def test_batches_list_pages_newest_first(server: ServerThread) -> None:

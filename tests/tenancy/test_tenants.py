@@ -248,3 +248,13 @@ def test_adapters_of_the_tenants_file(tmp_path: Path) -> None:
     path.write_text('[[tenants]]\nid = "acme"\n\n[[adapters]]\nname = "x"\n')
     with pytest.raises(TenantsFileError, match=r"adapters\[0\]: 'path'"):
         load_tenants(path)
+
+
+@pytest.mark.parametrize(("admin", "holder"), [(False, "tenant 'a'"), (True, "the admin")])
+def test_a_key_hash_listed_twice_is_rejected(tmp_path: Path, admin: bool, holder: str) -> None:
+    key_hash = hash_api_key("shared-key")
+    head = f'[admin]\napi_key_hashes = ["{key_hash}"]\n\n' if admin else ""
+    first = '[[tenants]]\nid = "a"\n' + ("" if admin else f'api_key_hashes = ["{key_hash}"]\n')
+    path = write(tmp_path, f'{head}{first}\n[[tenants]]\nid = "b"\napi_key_hashes = ["{key_hash}"]\n')
+    with pytest.raises(TenantsFileError, match=rf"tenants\[1\] \('b'\): a key hash it lists is also {holder}'s"):
+        load_tenants(path)

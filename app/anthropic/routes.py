@@ -39,6 +39,7 @@ from app.plumbing.errors import json_response
 from app.serving.context import ServingContext
 from app.serving.generation import GenerationFailed, TextPiece
 from scheduling.request import PriorityClass
+from tenancy.tenants import Tenant
 
 InputT = TypeVar("InputT", bound=MessagesInput)
 T = TypeVar("T")
@@ -67,15 +68,15 @@ class AnthropicRoutes:
         raise not_found(request)
 
     async def count_tokens(self, request: Request) -> Response:
-        self.context.gate.authenticate(request)
-        body = await self._parse(request, MessagesInput)
+        tenant = self.context.gate.authenticate(request)
+        body = await self._parse(request, MessagesInput, tenant)
         return json_response({"input_tokens": len(await self.starter.chat_prompt(self._chat_body(body)))})
 
     async def messages(self, request: Request) -> Response:
         tenant = self.context.gate.authenticate(request)
         if self.context.is_draining:
             raise shutting_down()
-        body = await self._parse(request, MessagesBody)
+        body = await self._parse(request, MessagesBody, tenant)
         chat = self._chat_body(body)
         prompt = await self.starter.chat_prompt(chat)
         await self.starter.check_grammar(chat)
@@ -96,7 +97,7 @@ class AnthropicRoutes:
 
     # ---- from the body to a started generation -------------------------------------------------
 
-    async def _parse(self, request: Request, body_type: type[InputT]) -> InputT:
+    async def _parse(self, request: Request, body_type: type[InputT], tenant: Tenant) -> InputT:
         raw = await read_body(request, self.context.settings.max_body_bytes)
         try:
             body = body_type.model_validate_json(raw)
@@ -105,7 +106,7 @@ class AnthropicRoutes:
             raise from_validation_error(exc) from None
         except FieldRefused as exc:
             raise field_refused(exc) from None
-        self.context.check_model(body.model)  # the base model or a LoRA adapter
+        self.context.check_model(body.model, tenant)  # the base model or a LoRA adapter this tenant may use
         return body
 
     @staticmethod

@@ -35,11 +35,12 @@ class LoraRoutes:
 
     async def load_lora_adapter(self, request: Request) -> Response:
         """Serve the folder `lora_path` under `lora_name`: read and checked first, so a bad folder is a 400
-        naming its file and changes nothing served. A name already served is replaced (a new version)."""
+        naming its file and changes nothing served. A name already served is replaced (a new version), for the
+        same tenants."""
         registry = self._registry(request)
         name, path = await self._fields(request, need_path=True)
         try:
-            await run_in_threadpool(registry.load, name, path)
+            await run_in_threadpool(registry.reload, name, path)
         except (AdapterError, ValueError) as exc:
             raise APIError(400, str(exc), param="lora_path", code="invalid_lora_adapter") from None
         return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")

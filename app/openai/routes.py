@@ -141,12 +141,12 @@ class OpenAIRoutes:
 
     async def chat_completions(self, request: Request) -> Response:
         tenant = self.context.gate.authenticate(request)
-        body = await self._parse(request, ChatCompletionBody)
+        body = await self._parse(request, ChatCompletionBody, tenant)
         return await self._generate(request, tenant, body, await self._prompts_of(body), CHAT)
 
     async def completions(self, request: Request) -> Response:
         tenant = self.context.gate.authenticate(request)
-        body = await self._parse(request, CompletionBody)
+        body = await self._parse(request, CompletionBody, tenant)
         return await self._generate(request, tenant, body, await self._prompts_of(body), COMPLETION)
 
     async def _prompts_of(self, body: GenerationBody) -> list[list[int]]:
@@ -168,13 +168,13 @@ class OpenAIRoutes:
                            param="prompt", code="invalid_value")
         return prompt
 
-    async def _parse(self, request: Request, body_type: type[BodyT]) -> BodyT:
+    async def _parse(self, request: Request, body_type: type[BodyT], tenant: Tenant) -> BodyT:
         if self.context.is_draining:
             raise shutting_down()
         raw = await read_body(request, self.context.settings.max_body_bytes)
-        return self._validated(body_type, raw)
+        return self._validated(body_type, raw, tenant)
 
-    def _validated(self, body_type: type[BodyT], raw: bytes | dict[str, Any]) -> BodyT:
+    def _validated(self, body_type: type[BodyT], raw: bytes | dict[str, Any], tenant: Tenant) -> BodyT:
         """The body, or the 400 that says what is wrong with it or what it asks that we cannot do."""
         try:
             body = body_type.model_validate_json(raw) if isinstance(raw, bytes) else body_type.model_validate(raw)
@@ -183,10 +183,7 @@ class OpenAIRoutes:
             raise from_validation_error(exc) from None
         except FieldRefused as exc:
             raise APIError(400, str(exc), param=exc.param, code=exc.code) from None
-        return self._served_model(body)
-
-    def _served_model(self, body: BodyT) -> BodyT:
-        self.context.check_model(body.model)
+        self.context.check_model(body.model, tenant)
         return body
 
     @staticmethod
@@ -247,7 +244,7 @@ class OpenAIRoutes:
         completion_id = flavor.id_prefix + uuid.uuid4().hex
         tenant = self.context.engine.tenants.get(tenant_id)
         try:
-            body: GenerationBody = self._validated(body_type, {**raw_body, "stream": False})
+            body: GenerationBody = self._validated(body_type, {**raw_body, "stream": False}, tenant)
             await self.starter.check_grammar(body)
             prompts = await self._prompts_of(body)
             started = self.starter.start(completion_id, body, prompts, tenant, flavor.prompt_param,

@@ -51,7 +51,7 @@ class ResponsesRoutes:
 
     async def create(self, request: Request) -> Response:
         tenant = self.context.gate.authenticate(request)
-        body = await self._parse(request)
+        body = await self._parse(request, tenant)
         run = await self.runner.start(tenant, body)
         if body.is_background and body.is_streamed:
             log = await self.background.launch_streamed(run)
@@ -112,7 +112,7 @@ class ResponsesRoutes:
                               "first_id": page[0]["id"] if page else None,
                               "last_id": page[-1]["id"] if page else None})
 
-    async def _parse(self, request: Request) -> ResponsesBody:
+    async def _parse(self, request: Request, tenant: Tenant) -> ResponsesBody:
         if self.context.is_draining:
             raise shutting_down()
         raw = await read_body(request, self.context.settings.max_body_bytes)
@@ -123,7 +123,7 @@ class ResponsesRoutes:
             raise _invalid(exc) from None
         except FieldRefused as exc:
             raise APIError(400, str(exc), param=exc.param, code=exc.code) from None
-        self.context.check_model(body.model)  # the base model or a LoRA adapter
+        self.context.check_model(body.model, tenant)  # the base model or a LoRA adapter this tenant may use
         return body
 
     async def _own(self, tenant: Tenant, request: Request) -> StoredResponse:

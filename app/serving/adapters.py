@@ -84,6 +84,12 @@ class AdapterRegistry:
             self._served[name] = ServedAdapter(ref, None if tenants is None else frozenset(tenants))
         return ref
 
+    def reload(self, name: str, path: str) -> LoraRef:
+        """`load` for the operator's endpoint: a name already served keeps the tenants it had (a reload of a
+        tenant's private adapter must not make it everyone's); a new name is every tenant's."""
+        served = self._served.get(name)
+        return self.load(name, path, None if served is None else served.tenants)
+
     def unload(self, name: str) -> bool:
         """Stop serving the name; False if it was not served. Running requests on it finish."""
         with self._lock:

@@ -7,7 +7,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from app.serving.adapters import AdapterReader, AdapterRegistry, unknown_model
+from app.serving.adapters import AdapterReader, AdapterRegistry, adapter_of
 from app.serving.admission import AdmissionGate
 from config.settings import Settings, SettingsError
 from contract.plan import CacheGeometry
@@ -15,6 +15,7 @@ from gpu.runner import ModelRunner
 from gpu.tokenizer import Tokenizer
 from scheduling.engine import EngineFront
 from scheduling.snapshot import SchedulerSnapshot
+from tenancy.tenants import Tenant
 
 
 @dataclass(slots=True)
@@ -45,12 +46,11 @@ class ServingContext:
         return AdapterRegistry.at_start(reader, (*self.settings.start_adapters(), *tenants.adapters),
                                         requires_auth=tenants.requires_auth)
 
-    def check_model(self, model: str) -> None:
-        """The 404 of a model this server does not serve: neither the base model nor an adapter. Whether
-        the tenant may use the adapter is asked when its requests are built (app/openai/submission.py),
-        with this same 404."""
-        if model != self.model_name and (self.adapters is None or not self.adapters.is_served(model)):
-            raise unknown_model(model, self.model_name)
+    def check_model(self, model: str, tenant: Tenant) -> None:
+        """The 404 of a model this tenant cannot use: neither the base model nor an adapter it has the
+        right to. Rights and existence are one question (`adapter_of`), asked before anything else of the
+        body is: an adapter of another tenant's answers as a missing model does, on every path."""
+        adapter_of(self.adapters, model, self.model_name, tenant)
 
     def start_compiling(self) -> None:
         """The runner's background compilation starts once the server is up (app lifespan)."""

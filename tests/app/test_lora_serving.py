@@ -221,6 +221,15 @@ def test_a_tenant_without_rights_gets_the_404_of_an_unknown_model(
     assert refused.status_code == unknown.status_code == 404
     assert refused.json()["error"] == {**unknown.json()["error"], "message": unknown.json()["error"]["message"]
                                        .replace("'nope'", "'one'")}
+    # paths that answered before the model was looked at with the tenant's rights: the same 404 for both
+    probes: dict[str, dict[str, Any]] = {"/v1/messages/count_tokens": {"messages": [{"role": "user", "content": "hi"}]},
+              "/v1/completions": {"prompt": [10**6], "max_tokens": 1},  # a token id out of range
+              "/v1/responses": {"input": "hi", "text": {"format": {"type": "json_schema", "name": "x",
+                                                                   "schema": {"type": "nonsense"}}}}}
+    for path, payload in probes.items():
+        answers = [httpx.post(f"{server.base_url}{path}", json={"model": model, **payload}, timeout=30,
+                              headers={"authorization": f"Bearer {BOB_KEY}"}).status_code for model in ("one", "nope")]
+        assert answers == [404, 404], path
     retrieved = httpx.get(f"{server.base_url}/v1/models/one", headers={"authorization": f"Bearer {BOB_KEY}"},
                           timeout=30)
     assert retrieved.status_code == 404
@@ -233,6 +242,13 @@ def test_a_tenant_without_rights_gets_the_404_of_an_unknown_model(
                           headers={"authorization": f"Bearer {ADMIN_KEY}"}, timeout=30)
     assert as_admin.status_code == 200, as_admin.text
     assert "two" in listed(BOB_KEY)  # loaded at runtime: every tenant may use it
+    # reloading alice's adapter keeps it hers: a reload is no way to make it everyone's
+    reload = {"lora_name": "one", "lora_path": adapters.path("one")}
+    reloaded = httpx.post(f"{server.base_url}/v1/load_lora_adapter", json=reload,
+                          headers={"authorization": f"Bearer {ADMIN_KEY}"}, timeout=30)
+    assert reloaded.status_code == 200, reloaded.text
+    assert "one" in listed(ALICE_KEY) and "one" not in listed(BOB_KEY)
+    assert complete(server, "one", prompt, 4, BOB_KEY).status_code == 404
 
 
 def test_a_bad_adapter_folder_at_start_is_an_error_naming_the_file(adapters: Adapters, tmp_path: Path) -> None:

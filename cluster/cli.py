@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 
+from app.plumbing.private_dirs import prepare_data_dirs
 from app.process.flags import settings_from_args
 from app.process.server import SERVE_FLAG_KEYS, run_serve
 
@@ -30,4 +31,5 @@ def run_serve_or_cluster(args: argparse.Namespace) -> int:
         return run_serve(args)
     from cluster.launch import run_cluster  # imports Ray: only for a cluster
 
+    prepare_data_dirs(settings)  # before the replicas' model and compile caches write into ./data
     return run_cluster(settings)

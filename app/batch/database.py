@@ -19,6 +19,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Concatenate, ParamSpec, TypeVar
 
+from app.plumbing.private_dirs import make_private_dirs
+
 logger = logging.getLogger(__name__)
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -104,7 +106,7 @@ def transaction(db: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
 
 def open_database(path: Path) -> sqlite3.Connection:
     """Open (creating if needed, readable by the owner only) and check the database."""
-    _make_private_dirs(path.parent)
+    make_private_dirs(path.parent)
     _create_private_file(path)
     db = sqlite3.connect(str(path), isolation_level=None)
     try:
@@ -118,14 +120,6 @@ def open_database(path: Path) -> sqlite3.Connection:
         db.close()
         raise
     return db
-
-
-def _make_private_dirs(directory: Path) -> None:
-    """Create the missing directories 0700; directories that exist are left as their owner set them."""
-    missing = [d for d in (directory, *directory.parents) if not d.exists()]
-    for created in reversed(missing):
-        created.mkdir(mode=0o700, exist_ok=True)
-        os.chmod(created, 0o700)  # mkdir's mode passes through the umask
 
 
 def _create_private_file(path: Path) -> None:

@@ -33,6 +33,7 @@ from app.openai.tokenization import TokenizationRoutes
 from app.plumbing.asgi import ClientGone, RequestIdMiddleware
 from app.plumbing.errors import APIError, api_error_handler, http_exception_handler, unexpected_error_handler
 from app.plumbing.http_limits import BodyTimeoutMiddleware, header_timeout_protocol, uvicorn_limit_concurrency
+from app.plumbing.private_dirs import prepare_data_dirs
 from app.process.flags import add_model_flags, settings_from_args
 from app.responses.api import ResponsesAPI
 from app.serving.context import ServingContext
@@ -203,6 +204,7 @@ def run_serve(args: argparse.Namespace) -> int:
     settings = settings_from_args(args, SERVE_FLAG_KEYS)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     warn_if_unauthenticated(settings)
+    prepare_data_dirs(settings)  # before the model and compile caches write into ./data
     engine, runner = build_engine(settings, compile_in_background=not settings.compile_wait)
     context = ServingContext(settings, engine, runner.loaded.tokenizer)
     server = DrainingServer(uvicorn_config(context), context)

@@ -120,6 +120,10 @@ class Settings(BaseModel):
     # Files and Batch APIs.
     batch_db_path: str = "./data/fairlane.db"  # SQLite (WAL): files, batches and per-item results
     max_upload_bytes: int = Field(default=200 * MiB, ge=1024)
+    # What each tenant may keep stored, unless its entry in the tenants file says otherwise (max_files,
+    # max_file_bytes): without a bound, one tenant's uploads could fill the disk every tenant writes to.
+    tenant_max_files: int = Field(default=1000, ge=1)
+    tenant_max_file_bytes: int = Field(default=2 * 1024 * MiB, ge=1024)
     batch_window_s: int = Field(default=24 * 3600, ge=1)  # the "24h" completion window, in seconds
     batch_max_in_flight: int = Field(default=32, ge=1)  # batch items in the engine at once, all batches
     batch_poll_s: float = Field(default=1.0, gt=0)  # how often expiry is checked without other events

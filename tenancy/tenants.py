@@ -41,6 +41,9 @@ class TenantLimits:
     max_queued: int | None = None  # requests waiting beyond max_concurrent
     tokens_per_minute: int | None = None  # token bucket: prompt + max_tokens charged at admission
     max_prompt_tokens: int | None = None
+    # Files kept for the Files and Batch APIs: how many, and their bytes together (None: the server's default)
+    max_files: int | None = None
+    max_file_bytes: int | None = None
 
 
 @dataclass(slots=True, frozen=True)
@@ -166,8 +169,9 @@ def _parse_key_hashes(entry: str, raw: Any) -> tuple[str, ...]:
     return tuple(raw)
 
 
-KNOWN_FIELDS = {"id", "weight", "api_key_hashes", "classes", "max_concurrent", "max_queued",
-                "tokens_per_minute", "max_prompt_tokens", "cache_group"}
+LIMIT_FIELDS = ("max_concurrent", "max_queued", "tokens_per_minute", "max_prompt_tokens", "max_files",
+                "max_file_bytes")
+KNOWN_FIELDS = {"id", "weight", "api_key_hashes", "classes", "cache_group", *LIMIT_FIELDS}
 
 
 def parse_tenant(index: int, data: Any) -> Tenant:
@@ -187,8 +191,7 @@ def parse_tenant(index: int, data: Any) -> Tenant:
     cache_group = data.get("cache_group")
     if cache_group is not None and (not isinstance(cache_group, str) or not cache_group):
         raise TenantsFileError(f"{entry}: 'cache_group' must be a non-empty string")
-    limits = TenantLimits(*(_positive_int(entry, data, k) for k in
-                            ("max_concurrent", "max_queued", "tokens_per_minute", "max_prompt_tokens")))
+    limits = TenantLimits(*(_positive_int(entry, data, k) for k in LIMIT_FIELDS))
     return Tenant(TenantId(tenant_id), float(weight), _parse_key_hashes(entry, data.get("api_key_hashes", [])),
                   _parse_classes(entry, data.get("classes")), limits, cache_group)
 

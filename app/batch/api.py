@@ -8,7 +8,7 @@ from starlette.routing import Route
 
 from app.batch.routes import BatchRoutes
 from app.batch.runner import BatchRunner
-from app.batch.store import BatchStore
+from app.batch.store import BatchStore, FileQuota
 from app.serving.admission import AdmissionGate
 from app.serving.items import ItemExecutor
 from config.settings import Settings
@@ -28,8 +28,9 @@ class BatchAPI:
         runner = BatchRunner(store, execute, max_in_flight=settings.batch_max_in_flight,
                              poll_seconds=settings.batch_poll_s, weight_of=gate.tenants.weight,
                              is_tenant=gate.tenants.is_listed)
+        quota = FileQuota(settings.tenant_max_files, settings.tenant_max_file_bytes)
         routes = BatchRoutes(gate, store, runner, model_name=model_name, max_upload_bytes=settings.max_upload_bytes,
-                             window_seconds=settings.batch_window_s).routes()
+                             window_seconds=settings.batch_window_s, default_quota=quota).routes()
         return cls(store, runner, routes)
 
     async def stop(self) -> None:

@@ -12,12 +12,12 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.datastructures import UploadFile
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from app.batch.runner import BatchRunner
 from app.batch.service import ACTIVE_STATUSES, CANCELLABLE_STATUSES, fail_validation, new_batch, parse_input_file
-from app.batch.store import BatchStore, StoredFile
+from app.batch.store import BatchStore, FileQuota, StorageQuotaExceeded, StoredFile
 from app.batch.uploads import parse_upload_form, storage_errors
 from app.plumbing.asgi import read_body
 from app.plumbing.errors import APIError, from_validation_error, json_response
@@ -40,8 +40,10 @@ class CreateBatchBody(BaseModel):
 
 class BatchRoutes:
     def __init__(self, gate: AdmissionGate, store: BatchStore, runner: BatchRunner, *, model_name: str,
-                 max_upload_bytes: int, window_seconds: int) -> None:
+                 max_upload_bytes: int, window_seconds: int, default_quota: FileQuota) -> None:
         self.gate = gate
+        self.default_quota = default_quota  # for tenants whose entry sets no max_files / max_file_bytes
+        self._reading_input = asyncio.Lock()
         self.store = store
         self.runner = runner
         self.model_name = model_name
@@ -75,7 +77,10 @@ class BatchRoutes:
                                param="purpose")
             with storage_errors("the file"):
                 stored = await self.store.add_file(tenant.tenant_id, upload.filename or "upload.jsonl",
-                                                   str(purpose), upload.file)
+                                                   str(purpose), upload.file, self._quota_of(tenant))
+        except StorageQuotaExceeded as exc:
+            raise APIError(429, f"Storage limit reached: {exc}.", type="rate_limit_error",
+                           code="storage_limit_exceeded") from None
         finally:
             await form.close()
         return json_response(stored.as_openai())
@@ -99,10 +104,15 @@ class BatchRoutes:
     async def file_content(self, request: Request) -> Response:
         tenant = self.gate.authenticate(request)
         file_id = request.path_params["file_id"]
-        content = await self.store.file_content(tenant.tenant_id, file_id)
-        if content is None:
+        chunks = await self.store.file_chunks(tenant.tenant_id, file_id)
+        if chunks is None:
             raise _no_such("file", file_id)
-        return Response(content, media_type="application/jsonl")
+        return StreamingResponse(chunks, media_type="application/jsonl")
+
+    def _quota_of(self, tenant: Tenant) -> FileQuota:
+        limits = tenant.limits
+        return FileQuota(limits.max_files or self.default_quota.max_files,
+                         limits.max_file_bytes or self.default_quota.max_bytes)
 
     async def _own_file(self, tenant: Tenant, file_id: str) -> StoredFile:
         stored = await self.store.get_file(tenant.tenant_id, file_id)
@@ -125,9 +135,13 @@ class BatchRoutes:
                            param="input_file_id")
         batch = new_batch(body.input_file_id, body.endpoint, body.completion_window, body.metadata)
         batch["expires_at"] = batch["created_at"] + self.window_seconds
-        content = await self.store.file_content(tenant.tenant_id, body.input_file_id) or b""
-        # Validating 50,000 lines takes a while: a worker thread does it, the loop goes on serving.
-        parsed = await asyncio.to_thread(parse_input_file, content, body.endpoint, self.model_name)
+        # An input file is read whole and parsed into its items: up to max_upload_bytes several times over.
+        # One at a time, server-wide, so that parallel creations cannot multiply that by their number.
+        async with self._reading_input:
+            content = await self.store.file_content(tenant.tenant_id, body.input_file_id) or b""
+            # Validating 50,000 lines takes a while: a worker thread does it, the loop goes on serving.
+            parsed = await asyncio.to_thread(parse_input_file, content, body.endpoint, self.model_name)
+            del content
         if parsed.errors:
             fail_validation(batch, parsed.errors, batch["created_at"])
         batch["request_counts"]["total"] = 0 if parsed.errors else len(parsed.items)

@@ -14,6 +14,7 @@ import os
 import sqlite3
 import time
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -36,6 +37,18 @@ class StoredFile:
     def as_openai(self) -> dict[str, Any]:
         return {"id": self.id, "object": "file", "bytes": self.bytes, "created_at": self.created_at,
                 "filename": self.filename, "purpose": self.purpose, "status": "processed"}
+
+
+@dataclass(slots=True, frozen=True)
+class FileQuota:
+    """What one tenant may keep: files, and their bytes together."""
+
+    max_files: int
+    max_bytes: int
+
+
+class StorageQuotaExceeded(Exception):
+    """The tenant's stored files would pass its quota; nothing was stored. The message says which."""
 
 
 @dataclass(slots=True, frozen=True)
@@ -69,9 +82,28 @@ class BatchStore:
 
     # ---- files ----------------------------------------------------------------------------
 
-    async def add_file(self, tenant: str, filename: str, purpose: str, source: IO[bytes]) -> StoredFile:
-        """Store source's content from where it stands to its end, copied in chunks."""
-        return await self._db.run(_insert_file, tenant, filename, purpose, source)
+    async def add_file(self, tenant: str, filename: str, purpose: str, source: IO[bytes],
+                       quota: FileQuota | None = None) -> StoredFile:
+        """Store source's content from where it stands to its end, copied in chunks; StorageQuotaExceeded
+        when the tenant's files would pass its quota (checked in the same transaction as the insert)."""
+        return await self._db.run(_insert_file, tenant, filename, purpose, source, quota)
+
+    async def file_chunks(self, tenant: str, file_id: str) -> AsyncIterator[bytes] | None:
+        """The file's content in chunks of COPY_CHUNK_BYTES, each read on the database thread when the
+        consumer asks for it, so a large file is never whole in memory; None: no such file of the tenant."""
+        found = await self._db.run(_file_rowid, tenant, file_id)
+        if found is None:
+            return None
+        rowid, size = found
+
+        async def chunks() -> AsyncIterator[bytes]:
+            for offset in range(0, size, COPY_CHUNK_BYTES):
+                chunk = await self._db.run(_read_chunk, rowid, offset, min(COPY_CHUNK_BYTES, size - offset))
+                if chunk is None:  # deleted while being read: the response ends short, as the file did
+                    return
+                yield chunk
+
+        return chunks()
 
     async def get_file(self, tenant: str, file_id: str) -> StoredFile | None:
         return await self._db.run(_select_file, tenant, file_id)
@@ -135,17 +167,44 @@ FILE_COLUMNS = "id, tenant, filename, purpose, bytes, created_at"
 
 
 def _insert_file(db: sqlite3.Connection, tenant: str, filename: str, purpose: str,
-                 source: IO[bytes]) -> StoredFile:
+                 source: IO[bytes], quota: FileQuota | None) -> StoredFile:
     start = source.tell()
     size = source.seek(0, os.SEEK_END) - start
     source.seek(start)
     stored = StoredFile("file-" + uuid.uuid4().hex, tenant, filename, purpose, size, int(time.time()))
     with transaction(db):
+        if quota is not None:
+            _check_quota(db, tenant, size, quota)
         rowid = finish.insert_file_row(db, stored.id, tenant, filename, purpose, size, stored.created_at)
         with db.blobopen("files", "content", rowid) as blob:
             while chunk := source.read(min(COPY_CHUNK_BYTES, size - blob.tell())):
                 blob.write(chunk)
     return stored
+
+
+def _check_quota(db: sqlite3.Connection, tenant: str, size: int, quota: FileQuota) -> None:
+    count, stored_bytes = db.execute("SELECT COUNT(*), COALESCE(SUM(bytes), 0) FROM files WHERE tenant = ?",
+                                     (tenant,)).fetchone()
+    if count + 1 > quota.max_files:
+        raise StorageQuotaExceeded(f"this tenant already keeps {count} files, its limit; delete some first")
+    if stored_bytes + size > quota.max_bytes:
+        raise StorageQuotaExceeded(f"this file ({size} bytes) would bring this tenant's stored files to "
+                                   f"{stored_bytes + size} bytes, over its limit of {quota.max_bytes}; "
+                                   "delete some first")
+
+
+def _file_rowid(db: sqlite3.Connection, tenant: str, file_id: str) -> tuple[int, int] | None:
+    row = db.execute("SELECT rowid, bytes FROM files WHERE id = ? AND tenant = ?", (file_id, tenant)).fetchone()
+    return (int(row[0]), int(row[1])) if row else None
+
+
+def _read_chunk(db: sqlite3.Connection, rowid: int, offset: int, length: int) -> bytes | None:
+    try:
+        with db.blobopen("files", "content", rowid, readonly=True) as blob:
+            blob.seek(offset)
+            return blob.read(length)
+    except sqlite3.OperationalError:  # the row is gone
+        return None
 
 
 def _select_file(db: sqlite3.Connection, tenant: str, file_id: str) -> StoredFile | None:

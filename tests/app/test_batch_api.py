@@ -19,8 +19,9 @@ from tests.app.conftest import ServerThread, instant_context, stepped_server, wa
 from tests.app.test_shutdown import ServedProcess
 from tests.tenants_files import tenants_toml
 
-KEYS = {"alice": "fl-alice-batch", "bob": "fl-bob-batch", "carol": "fl-carol-batch"}
-CAPPED = {"carol": {"max_concurrent": 1, "max_queued": 1}}  # at most 2 requests in flight
+KEYS = {"alice": "fl-alice-batch", "bob": "fl-bob-batch", "carol": "fl-carol-batch", "dave": "fl-dave-batch"}
+CAPPED = {"carol": {"max_concurrent": 1, "max_queued": 1},  # at most 2 requests in flight
+          "dave": {"max_files": 2, "max_file_bytes": 4000}}
 
 
 @pytest.fixture(scope="module")
@@ -122,6 +123,33 @@ def test_a_line_that_can_never_be_admitted_fails_alone_at_once(server: ServerThr
     with pytest.raises(openai.BadRequestError, match="at most 2"):
         client.chat.completions.create(model=server.model_name, n=3, max_tokens=2,
                                        messages=[{"role": "user", "content": "hi"}])
+
+
+def test_storage_limits_answer_429_and_keep_what_is_stored(server: ServerThread) -> None:
+    client = client_for(server, "dave")
+
+    def upload_bytes(size: int) -> str:
+        return client.files.create(file=("f.jsonl", io.BytesIO(b"x" * size)), purpose="batch").id
+
+    first, second = upload_bytes(1000), upload_bytes(1000)
+    with pytest.raises(openai.RateLimitError) as too_many:  # a third file: over max_files
+        upload_bytes(10)
+    assert too_many.value.code == "storage_limit_exceeded" and "2 files" in str(too_many.value)
+    client.files.delete(second)
+    with pytest.raises(openai.RateLimitError, match="over its limit of 4000"):  # 1000 + 3500 bytes
+        upload_bytes(3500)
+    third = upload_bytes(2500)
+    assert client.files.content(first).content == b"x" * 1000  # nothing stored was lost
+    assert sorted(f.id for f in client.files.list()) == sorted([first, third])
+
+
+def test_file_content_comes_back_whole_in_chunks(server: ServerThread) -> None:
+    """Several copy chunks' worth, streamed from the database: the same bytes, in order."""
+    client = client_for(server, "bob")
+    content = os.urandom(3 * 1024 * 1024 + 17)
+    file_id = client.files.create(file=("big.jsonl", io.BytesIO(content)), purpose="batch").id
+    assert client.files.content(file_id).content == content
+    client.files.delete(file_id)
 
 
 def test_batches_list_pages_newest_first(server: ServerThread) -> None:

@@ -2,19 +2,31 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
 from app.openai.schemas import DetokenizeBody, TokenizeBody
+from app.openai.submission import THREAD_TOKENIZE_CHARS
 from app.plumbing.asgi import read_body
 from app.plumbing.errors import APIError, from_validation_error, json_response
 from app.serving.context import ServingContext
 
 BodyT = TypeVar("BodyT", bound=BaseModel)
+T = TypeVar("T")
+R = TypeVar("R")
+THREAD_DECODE_TOKENS = 4096  # decoding fewer tokens than this stays on the loop: a thread hop costs more
+
+
+def _text_size(body: TokenizeBody) -> int:
+    if body.prompt is not None:
+        return len(body.prompt)
+    return sum(len(message.text or "") for message in body.messages or [])
 
 
 class TokenizationRoutes:
@@ -27,12 +39,23 @@ class TokenizationRoutes:
 
     async def tokenize(self, request: Request) -> Response:
         body = await self._parse(request, TokenizeBody)
-        tokens = self._encode(body)
+        # A long text (4 MiB is a body this endpoint takes) encodes for seconds: in a worker thread, as a
+        # chat prompt is, so that no other tenant's stream waits on the event loop meanwhile.
+        large = _text_size(body) >= THREAD_TOKENIZE_CHARS
+        tokens = await run_in_threadpool(self._encode, body) if large else self._encode(body)
         result: dict[str, Any] = {"count": len(tokens), "max_model_len": self.context.geometry.max_model_len,
                                   "tokens": tokens, "token_strs": None}
         if body.return_token_strs:
-            result["token_strs"] = [self.context.tokenizer.decode([token]) for token in tokens]
+            result["token_strs"] = await self._off_loop_if(len(tokens) >= THREAD_DECODE_TOKENS, self._token_strs,
+                                                           tokens)
         return json_response(result)
+
+    def _token_strs(self, tokens: list[int]) -> list[str]:
+        return [self.context.tokenizer.decode([token]) for token in tokens]
+
+    @staticmethod
+    async def _off_loop_if(large: bool, work: Callable[[T], R], argument: T) -> R:
+        return await run_in_threadpool(work, argument) if large else work(argument)
 
     async def detokenize(self, request: Request) -> Response:
         body = await self._parse(request, DetokenizeBody)
@@ -40,7 +63,9 @@ class TokenizationRoutes:
         if any(token >= vocab_size for token in body.tokens):
             raise APIError(400, f"Token ids must be below the vocabulary size {vocab_size}.", param="tokens",
                            code="invalid_value")
-        return json_response({"prompt": self.context.tokenizer.decode(body.tokens)})
+        text = await self._off_loop_if(len(body.tokens) >= THREAD_DECODE_TOKENS, self.context.tokenizer.decode,
+                                       body.tokens)
+        return json_response({"prompt": text})
 
     def _encode(self, body: TokenizeBody) -> list[int]:
         if body.prompt is not None:

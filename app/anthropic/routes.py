@@ -38,6 +38,7 @@ from app.plumbing.asgi import ClientGone, EventStreamResponse, read_body, unless
 from app.plumbing.errors import json_response
 from app.serving.context import ServingContext
 from app.serving.generation import GenerationFailed, TextPiece
+from app.serving.off_loop import THREAD_BODY_BYTES, THREAD_ITEMS
 from scheduling.request import PriorityClass
 from tenancy.tenants import Tenant
 
@@ -70,20 +71,21 @@ class AnthropicRoutes:
     async def count_tokens(self, request: Request) -> Response:
         tenant = self.context.gate.authenticate(request)
         body = await self._parse(request, MessagesInput, tenant)
-        return json_response({"input_tokens": len(await self.starter.chat_prompt(self._chat_body(body)))})
+        chat = await self._chat_body(body, tenant)
+        return json_response({"input_tokens": len(await self.starter.chat_prompt(chat, tenant))})
 
     async def messages(self, request: Request) -> Response:
         tenant = self.context.gate.authenticate(request)
         if self.context.is_draining:
             raise shutting_down()
         body = await self._parse(request, MessagesBody, tenant)
-        chat = self._chat_body(body)
-        prompt = await self.starter.chat_prompt(chat)
+        chat = await self._chat_body(body, tenant)
+        prompt = await self.starter.chat_prompt(chat, tenant)
         await self.starter.check_grammar(chat)
         message_id = "msg_" + uuid.uuid4().hex
         # Every request of this API is interactive: its service tiers both ask for standard capacity.
         started = self.starter.start(message_id, chat, [prompt], tenant, "messages", PriorityClass.INTERACTIVE,
-                                     await self.starter.cache_pin(chat, prompt))
+                                     await self.starter.cache_pin(chat, prompt, tenant))
         head = MessageHead(message_id, body.model, started.num_pinnable_tokens)  # the base model or an adapter
         if body.stream:
             return EventStreamResponse(self._events(started, chat, head), started.headers)
@@ -99,24 +101,14 @@ class AnthropicRoutes:
 
     async def _parse(self, request: Request, body_type: type[InputT], tenant: Tenant) -> InputT:
         raw = await read_body(request, self.context.settings.max_body_bytes)
-        try:
-            body = body_type.model_validate_json(raw)
-            body.check_fields()
-        except ValidationError as exc:
-            raise from_validation_error(exc) from None
-        except FieldRefused as exc:
-            raise field_refused(exc) from None
+        body = await self.context.off_loop.run_if(len(raw) >= THREAD_BODY_BYTES, tenant.tenant_id, _validated,
+                                                  body_type, raw)
         self.context.check_model(body.model, tenant)  # the base model or a LoRA adapter this tenant may use
         return body
 
-    @staticmethod
-    def _chat_body(body: MessagesInput) -> ChatCompletionBody:
-        """The translation is valid by construction; if it is not, say so as the client's 400 rather
-        than as a server error, since it was made from what the client sent."""
-        try:
-            return chat_body(body)
-        except ValidationError as exc:
-            raise from_validation_error(exc) from None
+    async def _chat_body(self, body: MessagesInput, tenant: Tenant) -> ChatCompletionBody:
+        return await self.context.off_loop.run_if(len(body.messages) > THREAD_ITEMS, tenant.tenant_id,
+                                                  _translated, body)
 
     # ---- the answer ------------------------------------------------------------------------------
 
@@ -197,3 +189,24 @@ async def _pinging(items: AsyncIterator[T], interval_s: float) -> AsyncGenerator
     yield first_item
     async for item in items:
         yield item
+
+
+def _validated(body_type: type[InputT], raw: bytes) -> InputT:
+    """The body, or the 400 that says what is wrong with it or what it asks that we cannot do."""
+    try:
+        body = body_type.model_validate_json(raw)
+        body.check_fields()
+    except ValidationError as exc:
+        raise from_validation_error(exc) from None
+    except FieldRefused as exc:
+        raise field_refused(exc) from None
+    return body
+
+
+def _translated(body: MessagesInput) -> ChatCompletionBody:
+    """The translation is valid by construction; if it is not, say so as the client's 400 rather
+    than as a server error, since it was made from what the client sent."""
+    try:
+        return chat_body(body)
+    except ValidationError as exc:
+        raise from_validation_error(exc) from None

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from pydantic import ValidationError
-from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
@@ -41,7 +40,6 @@ from app.openai.schemas import ChatCompletionBody, CompletionBody, FieldRefused,
 from app.openai.submission import (
     NO_PIN,
     RETRY_AFTER_S,
-    THREAD_TOKENIZE_CHARS,
     CachePin,
     ChoiceStarter,
     Generations,
@@ -59,6 +57,7 @@ from app.serving.adapters import adapter_of
 from app.serving.context import ServingContext
 from app.serving.generation import GenerationFailed, TextPiece
 from app.serving.items import RetryLater
+from app.serving.off_loop import THREAD_BODY_BYTES, THREAD_ITEMS, THREAD_TOKENIZE_CHARS
 from contract.plan import TokenLogprobs
 from scheduling.request import PriorityClass
 from tenancy.tenants import Tenant
@@ -142,26 +141,29 @@ class OpenAIRoutes:
     async def chat_completions(self, request: Request) -> Response:
         tenant = self.context.gate.authenticate(request)
         body = await self._parse(request, ChatCompletionBody, tenant)
-        return await self._generate(request, tenant, body, await self._prompts_of(body), CHAT)
+        return await self._generate(request, tenant, body, await self._prompts_of(body, tenant), CHAT)
 
     async def completions(self, request: Request) -> Response:
         tenant = self.context.gate.authenticate(request)
         body = await self._parse(request, CompletionBody, tenant)
-        return await self._generate(request, tenant, body, await self._prompts_of(body), COMPLETION)
+        return await self._generate(request, tenant, body, await self._prompts_of(body, tenant), COMPLETION)
 
-    async def _prompts_of(self, body: GenerationBody) -> list[list[int]]:
+    async def _prompts_of(self, body: GenerationBody, tenant: Tenant) -> list[list[int]]:
         if isinstance(body, CompletionBody):
-            return [await self._completion_prompt(prompt) for prompt in body.prompts]
+            return [await self._completion_prompt(prompt, tenant) for prompt in body.prompts]
         assert isinstance(body, ChatCompletionBody)
-        return [await self.starter.chat_prompt(body)]
+        return [await self.starter.chat_prompt(body, tenant)]
 
-    async def _cache_pin(self, body: GenerationBody, prompts: list[list[int]]) -> CachePin:
+    async def _cache_pin(self, body: GenerationBody, prompts: list[list[int]], tenant: Tenant) -> CachePin:
         """A chat body's cache breakpoint (completions have none: they name no messages)."""
-        return await self.starter.cache_pin(body, prompts[0]) if isinstance(body, ChatCompletionBody) else NO_PIN
+        if not isinstance(body, ChatCompletionBody):
+            return NO_PIN
+        return await self.starter.cache_pin(body, prompts[0], tenant)
 
-    async def _completion_prompt(self, prompt: str | list[int]) -> list[int]:
+    async def _completion_prompt(self, prompt: str | list[int], tenant: Tenant) -> list[int]:
         if isinstance(prompt, str):
-            return await self._tokenize(self.context.tokenizer.encode, prompt, len(prompt))
+            return await self.context.off_loop.run_if(len(prompt) >= THREAD_TOKENIZE_CHARS, tenant.tenant_id,
+                                                      self.context.tokenizer.encode, prompt)
         vocab_size = self.context.tokenizer.vocab_size
         if any(token >= vocab_size for token in prompt):
             raise APIError(400, f"Token ids in the prompt must be below the vocabulary size {vocab_size}.",
@@ -172,9 +174,13 @@ class OpenAIRoutes:
         if self.context.is_draining:
             raise shutting_down()
         raw = await read_body(request, self.context.settings.max_body_bytes)
-        return self._validated(body_type, raw, tenant)
+        body = await self.context.off_loop.run_if(len(raw) >= THREAD_BODY_BYTES, tenant.tenant_id,
+                                                  self._validated, body_type, raw)
+        self.context.check_model(body.model, tenant)
+        return body
 
-    def _validated(self, body_type: type[BodyT], raw: bytes | dict[str, Any], tenant: Tenant) -> BodyT:
+    @staticmethod
+    def _validated(body_type: type[BodyT], raw: bytes | dict[str, Any]) -> BodyT:
         """The body, or the 400 that says what is wrong with it or what it asks that we cannot do."""
         try:
             body = body_type.model_validate_json(raw) if isinstance(raw, bytes) else body_type.model_validate(raw)
@@ -183,21 +189,14 @@ class OpenAIRoutes:
             raise from_validation_error(exc) from None
         except FieldRefused as exc:
             raise APIError(400, str(exc), param=exc.param, code=exc.code) from None
-        self.context.check_model(body.model, tenant)
         return body
-
-    @staticmethod
-    async def _tokenize(encode: Callable[[Any], list[int]], text: Any, num_chars: int) -> list[int]:
-        if num_chars < THREAD_TOKENIZE_CHARS:
-            return encode(text)
-        return await run_in_threadpool(encode, text)
 
     async def _generate(self, request: Request, tenant: Tenant, body: GenerationBody, prompts: list[list[int]],
                         flavor: Flavor) -> Response:
         await self.starter.check_grammar(body)
         completion_id = flavor.id_prefix + uuid.uuid4().hex
         started = self.starter.start(completion_id, body, prompts, tenant, flavor.prompt_param,
-                                     self._priority_of(body), await self._cache_pin(body, prompts))
+                                     self._priority_of(body), await self._cache_pin(body, prompts, tenant))
         envelope = Envelope(completion_id, int(time.time()), body.model, body.service_tier)
         logprobs = self._logprobs_format(body)
         if body.is_stream:
@@ -244,11 +243,13 @@ class OpenAIRoutes:
         completion_id = flavor.id_prefix + uuid.uuid4().hex
         tenant = self.context.engine.tenants.get(tenant_id)
         try:
-            body: GenerationBody = self._validated(body_type, {**raw_body, "stream": False}, tenant)
+            body: GenerationBody = await self.context.off_loop.run_if(
+                _has_many_items(raw_body), tenant_id, self._validated, body_type, {**raw_body, "stream": False})
+            self.context.check_model(body.model, tenant)
             await self.starter.check_grammar(body)
-            prompts = await self._prompts_of(body)
+            prompts = await self._prompts_of(body, tenant)
             started = self.starter.start(completion_id, body, prompts, tenant, flavor.prompt_param,
-                                         PriorityClass.BATCH, await self._cache_pin(body, prompts))
+                                         PriorityClass.BATCH, await self._cache_pin(body, prompts, tenant))
             envelope = Envelope(completion_id, int(time.time()), body.model, body.service_tier)
             return 200, completion_id, await self._whole(started, body, envelope, flavor)
         except GenerationFailed as exc:
@@ -310,3 +311,9 @@ def tool_stream_events(chunks: ChunkEncoder, tools: ToolStream, index: int, piec
     if piece.finish_reason is not None:
         events.append(chunks.finish(index, tool_finish_reason(piece.finish_reason, tools.has_calls)))
     return events
+
+
+def _has_many_items(raw_body: dict[str, Any]) -> bool:
+    """Whether a batch line is worth validating in a worker thread: many messages or prompts."""
+    items = raw_body.get("messages") or raw_body.get("prompt")
+    return isinstance(items, list) and len(items) > THREAD_ITEMS

@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 from starlette.concurrency import run_in_threadpool
 
 from app.openai.sampling import sampling_params, structured_from_response_format, structured_output_of
-from app.openai.schemas import ChatCompletionBody, CompletionBody, GenerationBody
+from app.openai.schemas import CacheControl, ChatCompletionBody, CompletionBody, GenerationBody
 from app.openai.tools import ToolStream, template_messages, template_tools, uses_tools
 from app.plumbing.errors import SERVER_ERROR, APIError
 from app.serving.adapters import adapter_of
@@ -25,6 +25,7 @@ from app.serving.admission import RATE_LIMIT_ERROR
 from app.serving.choices import ChoiceSet, DeferredStream
 from app.serving.context import ServingContext
 from app.serving.generation import GenerationFailed, TextGeneration, TokenStream
+from app.serving.off_loop import THREAD_ITEMS, THREAD_TOKENIZE_CHARS
 from scheduling.engine import EngineOverloaded, EngineStopped, RequestStream, TenantOverShare
 from scheduling.request import PriorityClass, RequestId
 from scheduling.request import Request as EngineRequest
@@ -33,7 +34,6 @@ from tenancy.tenants import Tenant
 
 RETRY_AFTER_S = "1"
 # Tokenizing a long prompt can take long enough to stall every stream; such prompts go to a thread.
-THREAD_TOKENIZE_CHARS = 16_384
 SHUTTING_DOWN = "The server is shutting down; retry on another replica or later."
 
 
@@ -74,20 +74,21 @@ class ChoiceStarter:
     def __init__(self, context: ServingContext) -> None:
         self.context = context
 
-    async def chat_prompt(self, chat: ChatCompletionBody, param: str = "messages") -> list[int]:
-        """The chat template's prompt for the body; long ones are tokenized off the event loop. A
+    async def chat_prompt(self, chat: ChatCompletionBody, tenant: Tenant, param: str = "messages") -> list[int]:
+        """The chat template's prompt for the body; long ones are rendered off the event loop. A
         conversation the template refuses is a 400 naming `param`, the field it came from."""
         try:
-            return await self._render(chat)
+            return await self._render(chat, tenant)
         except Exception as exc:  # chat templates raise what they like (e.g. roles that must alternate)
             raise APIError(400, f"The model's chat template cannot render these messages: {exc}",
                            param=param) from None
 
-    async def cache_pin(self, chat: ChatCompletionBody, prompt: list[int]) -> CachePin:
+    async def cache_pin(self, chat: ChatCompletionBody, prompt: list[int], tenant: Tenant) -> CachePin:
         """The breakpoint of a chat body's `cache_control` marks (see the module's docstring), for its
         template's `prompt`; NO_PIN without one. A prefix the template refuses to render alone (one
         that must end on a user's turn, say) is no breakpoint: the request is served without a pin."""
-        marked = chat.cache_breakpoint
+        marked = await self.context.off_loop.run_if(len(chat.messages) > THREAD_ITEMS, tenant.tenant_id,
+                                                    _cache_breakpoint, chat)
         if marked is None:
             return NO_PIN
         index, control = marked
@@ -95,18 +96,20 @@ class ChoiceStarter:
             return CachePin(len(prompt), control.ttl_s)
         prefix = chat.model_copy(update={"messages": chat.messages[:index + 1]})
         try:
-            rendered = await self._render(prefix)
+            rendered = await self._render(prefix, tenant)
         except Exception:  # as chat_prompt's: whatever the template raises
             return NO_PIN
         return CachePin(_common_prefix_length(rendered, prompt), control.ttl_s)
 
-    async def _render(self, chat: ChatCompletionBody) -> list[int]:
+    async def _render(self, chat: ChatCompletionBody, tenant: Tenant) -> list[int]:
+        return await self.context.off_loop.run_if(is_heavy_chat(chat), tenant.tenant_id, self.render, chat)
+
+    def render(self, chat: ChatCompletionBody) -> list[int]:
+        """The chat template's prompt for the body, here and now (raises what the template raises)."""
         tokenizer = self.context.tokenizer
         messages = template_messages(chat, tokenizer.knows_tools)
         tools = template_tools(chat) if tokenizer.knows_tools else None
-        if sum(len(message["content"] or "") for message in messages) < THREAD_TOKENIZE_CHARS:
-            return tokenizer.encode_chat(messages, tools)
-        return await run_in_threadpool(tokenizer.encode_chat, messages, tools)
+        return tokenizer.encode_chat(messages, tools)
 
     async def check_grammar(self, body: GenerationBody, format_param: str = "response_format") -> None:
         """A 400 for a schema (of the output format, named `format_param` in the caller's API, or of a
@@ -277,6 +280,17 @@ class ChoiceStarter:
                 raise APIError(503, f"The server cannot serve requests: {exc}.", code="engine_failed",
                                headers={"retry-after": RETRY_AFTER_S}) from None
             raise shutting_down() from None
+
+
+def _cache_breakpoint(chat: ChatCompletionBody) -> tuple[int, CacheControl] | None:
+    return chat.cache_breakpoint
+
+
+def is_heavy_chat(chat: ChatCompletionBody) -> bool:
+    """Whether rendering the conversation is worth a worker thread: many messages, or long ones."""
+    if len(chat.messages) > THREAD_ITEMS:
+        return True
+    return sum(len(message.text) for message in chat.messages) >= THREAD_TOKENIZE_CHARS
 
 
 def _common_prefix_length(first: list[int], second: list[int]) -> int:

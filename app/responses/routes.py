@@ -26,6 +26,7 @@ from app.responses.schemas import ResponsesBody
 from app.responses.store import ResponseStore, StoredResponse
 from app.serving.context import ServingContext
 from app.serving.generation import GenerationFailed
+from app.serving.off_loop import THREAD_BODY_BYTES
 from tenancy.tenants import Tenant
 
 MAX_LIST_LIMIT = 100
@@ -116,13 +117,7 @@ class ResponsesRoutes:
         if self.context.is_draining:
             raise shutting_down()
         raw = await read_body(request, self.context.settings.max_body_bytes)
-        try:
-            body = ResponsesBody.model_validate_json(raw)
-            body.check_fields()
-        except ValidationError as exc:
-            raise _invalid(exc) from None
-        except FieldRefused as exc:
-            raise APIError(400, str(exc), param=exc.param, code=exc.code) from None
+        body = await self.context.off_loop.run_if(len(raw) >= THREAD_BODY_BYTES, tenant.tenant_id, _validated, raw)
         self.context.check_model(body.model, tenant)  # the base model or a LoRA adapter this tenant may use
         return body
 
@@ -136,6 +131,18 @@ class ResponsesRoutes:
 
 def _no_such(response_id: str) -> APIError:
     return APIError(404, f"No such response: '{response_id}'.", param="response_id", code="not_found")
+
+
+def _validated(raw: bytes) -> ResponsesBody:
+    """The body, or the 400 that says what is wrong with it or what it asks that we cannot do."""
+    try:
+        body = ResponsesBody.model_validate_json(raw)
+        body.check_fields()
+    except ValidationError as exc:
+        raise _invalid(exc) from None
+    except FieldRefused as exc:
+        raise APIError(400, str(exc), param=exc.param, code=exc.code) from None
+    return body
 
 
 def _invalid(exc: ValidationError) -> APIError:

@@ -31,10 +31,12 @@ from app.responses.translate import (
     new_id,
     output_items,
     parsed_items,
-    without_oldest_turn,
+    turn_starts,
+    without_oldest_turns,
 )
 from app.serving.context import ServingContext
 from app.serving.generation import GenerationFailed, TextPiece
+from app.serving.off_loop import THREAD_ITEMS
 from scheduling.request import PriorityClass
 from tenancy.tenants import Tenant
 
@@ -75,7 +77,9 @@ class ResponseRunner:
         """Start the response `head` to these conversation items (canonical): a new one, or a background
         one again after a restart."""
         body = head.body
-        chat_body, prompt = await self._fitting_prompt(chat_body_of(body, parsed_items(items)), body)
+        many = len(items) > THREAD_ITEMS
+        chat_body = await self.context.off_loop.run_if(many, tenant.tenant_id, _translated, body, items)
+        chat_body, prompt = await self._fitting_prompt(chat_body, body, tenant)
         await self.starter.check_grammar(chat_body, format_param="text.format")
         priority = PriorityClass.BATCH if body.is_background or chat_body.is_batch_class \
             else PriorityClass.INTERACTIVE
@@ -90,8 +94,10 @@ class ResponseRunner:
         """The previous response's conversation and output (its turns form the prompt's prefix, so
         the prefix cache finds them), then this request's items."""
         own: list[Item] = body.input_items
+        own_items = await self.context.off_loop.run_if(len(own) > THREAD_ITEMS, tenant.tenant_id, canonical_items,
+                                                       own)
         if body.previous_response_id is None:
-            return canonical_items(own)
+            return own_items
         previous = await self.store.get(tenant.tenant_id, body.previous_response_id)
         if previous is None:
             raise APIError(404, f"No such response: '{body.previous_response_id}'.", param="previous_response_id",
@@ -100,19 +106,40 @@ class ResponseRunner:
             raise APIError(400, f"Response '{body.previous_response_id}' is {previous.response['status']}: only "
                                 "a finished response can be continued.", param="previous_response_id")
         previous_output: list[dict[str, Any]] = previous.response["output"]
-        return previous.items + previous_output + canonical_items(own)
+        return previous.items + previous_output + own_items
 
-    async def _fitting_prompt(self, chat_body: ChatCompletionBody, body: ResponsesBody
+    async def _fitting_prompt(self, chat_body: ChatCompletionBody, body: ResponsesBody, tenant: Tenant
                               ) -> tuple[ChatCompletionBody, list[int]]:
-        """The prompt; with `truncation: auto`, the oldest turns are dropped until it leaves room for
-        the output (with `disabled`, the engine refuses a prompt that does not fit, with the numbers)."""
-        prompt = await self.starter.chat_prompt(chat_body, param="input")
-        while body.truncation == "auto" and self._is_too_long(chat_body, prompt):
-            shorter = without_oldest_turn(chat_body)
-            if shorter is None:
-                break
-            chat_body, prompt = shorter, await self.starter.chat_prompt(shorter, param="input")
-        return chat_body, prompt
+        """The prompt; with `truncation: auto`, the fewest oldest turns are dropped that leave room for
+        the output, or all but the last (with `disabled`, or if even the last turn is too long, the
+        engine refuses the prompt with the numbers)."""
+        prompt = await self.starter.chat_prompt(chat_body, tenant, param="input")
+        if body.truncation != "auto" or not self._is_too_long(chat_body, prompt):
+            return chat_body, prompt
+        return await self._shortest_fitting(chat_body, tenant)
+
+    async def _shortest_fitting(self, chat_body: ChatCompletionBody, tenant: Tenant
+                                ) -> tuple[ChatCompletionBody, list[int]]:
+        """The conversation less the fewest oldest turns that fits, found by halving: a few renders
+        however many turns there are, where dropping one turn at a time rendered the whole history
+        once per dropped turn. A prompt shortens as turns go (each turn adds its own tokens)."""
+        starts = turn_starts(chat_body)
+        if len(starts) <= 1:
+            return chat_body, await self.starter.chat_prompt(chat_body, tenant, param="input")
+        low, high = 1, len(starts) - 1  # the answer is in [low, high], or high if nothing fits
+        best: tuple[ChatCompletionBody, list[int]] | None = None
+        while low <= high:
+            count = (low + high) // 2
+            shorter = without_oldest_turns(chat_body, starts, count)
+            prompt = await self.starter.chat_prompt(shorter, tenant, param="input")
+            if self._is_too_long(shorter, prompt):
+                low = count + 1
+            else:
+                best, high = (shorter, prompt), count - 1
+        if best is None:
+            shortest = without_oldest_turns(chat_body, starts, len(starts) - 1)
+            return shortest, await self.starter.chat_prompt(shortest, tenant, param="input")
+        return best
 
     def _is_too_long(self, chat_body: ChatCompletionBody, prompt: list[int]) -> bool:
         return len(prompt) + (chat_body.requested_max_tokens or 1) > self.context.geometry.max_model_len
@@ -180,6 +207,11 @@ class ResponseRunner:
     def failure(self, exc: GenerationFailed) -> APIError:
         """A generation the engine ended with an error, answered as chat completions answer it."""
         return self.starter.failure(exc)
+
+
+def _translated(body: ResponsesBody, items: list[dict[str, Any]]) -> ChatCompletionBody:
+    """The chat body generating the response to these conversation items (canonical)."""
+    return chat_body_of(body, parsed_items(items))
 
 
 def _param_in_responses_terms(exc: APIError, body: ResponsesBody, chat_body: ChatCompletionBody) -> str | None:

@@ -115,17 +115,20 @@ def chat_messages(instructions: str | None, items: list[Item]) -> list[dict[str,
     return messages
 
 
-def without_oldest_turn(chat_body: ChatCompletionBody) -> ChatCompletionBody | None:
-    """`truncation: auto`: the conversation less its oldest message after the system ones (and the
-    tool answers that belonged to it); None once only one such message is left."""
+def turn_starts(chat_body: ChatCompletionBody) -> list[int]:
+    """`truncation: auto` drops whole turns, oldest first: the index of each message that starts one
+    (every message after the system ones but the tool answers, which belong to the turn before)."""
+    messages = chat_body.messages
+    first = next((i for i, m in enumerate(messages) if m.role not in ("system", "developer")), len(messages))
+    return [i for i in range(first, len(messages)) if messages[i].role != "tool"]
+
+
+def without_oldest_turns(chat_body: ChatCompletionBody, starts: list[int], count: int) -> ChatCompletionBody:
+    """The conversation less its `count` oldest turns (`starts` from `turn_starts`); the system
+    messages stay, and at least the last turn."""
+    assert 0 < count < len(starts)
     messages = list(chat_body.messages)
-    first = next((i for i, m in enumerate(messages) if m.role not in ("system", "developer")), None)
-    if first is None or sum(1 for m in messages[first:] if m.role != "tool") <= 1:
-        return None
-    rest = first + 1
-    while rest < len(messages) and messages[rest].role == "tool":
-        rest += 1
-    return chat_body.model_copy(update={"messages": messages[:first] + messages[rest:]})
+    return chat_body.model_copy(update={"messages": messages[:starts[0]] + messages[starts[count]:]})
 
 
 def _response_format(body: ResponsesBody) -> dict[str, Any] | None:

@@ -9,6 +9,7 @@ from typing import Any
 
 from app.serving.adapters import AdapterReader, AdapterRegistry, adapter_of
 from app.serving.admission import AdmissionGate
+from app.serving.off_loop import OffLoop
 from config.settings import Settings, SettingsError
 from contract.plan import CacheGeometry
 from gpu.runner import ModelRunner
@@ -29,6 +30,7 @@ class ServingContext:
     replica_snapshots: Callable[[], Mapping[str, SchedulerSnapshot]] | None = None
     gate: AdmissionGate = field(init=False)  # authentication, class rights and quotas, per the engine's tenants
     adapters: AdapterRegistry | None = field(init=False)  # the LoRA adapters served; None without enable_lora
+    off_loop: OffLoop = field(default_factory=OffLoop)  # each tenant's heavy parsing and rendering
 
     def __post_init__(self) -> None:
         self.gate = AdmissionGate(self.engine.tenants, self.engine)

@@ -9,8 +9,8 @@ from typing import Any
 import httpx
 import pytest
 
-from app.openai.submission import THREAD_TOKENIZE_CHARS
 from app.openai.tokenization import THREAD_DECODE_TOKENS
+from app.serving.off_loop import THREAD_TOKENIZE_CHARS
 from tests.app.conftest import ServerThread
 
 

@@ -124,6 +124,15 @@ class Settings(BaseModel):
     # max_file_bytes): without a bound, one tenant's uploads could fill the disk every tenant writes to.
     tenant_max_files: int = Field(default=1000, ge=1)
     tenant_max_file_bytes: int = Field(default=2 * 1024 * MiB, ge=1024)
+    # Stored responses (the Responses API's `store`, on by default) each tenant keeps: past either bound its
+    # oldest finished ones go, as a cache's would. And its background responses queued or running at once:
+    # each holds a task and, streamed, its event log in memory. The tenants file may say otherwise.
+    tenant_max_stored_responses: int = Field(default=10_000, ge=1)
+    tenant_max_stored_response_bytes: int = Field(default=1024 * MiB, ge=1024)
+    tenant_max_background_responses: int = Field(default=64, ge=1)
+    # Streams of background responses re-attached to (GET /v1/responses/{id}?stream=true) open at once, per
+    # tenant: each holds a connection and costs no quota of the engine's.
+    tenant_max_reattached_streams: int = Field(default=16, ge=1)
     batch_window_s: int = Field(default=24 * 3600, ge=1)  # the "24h" completion window, in seconds
     batch_max_in_flight: int = Field(default=32, ge=1)  # batch items in the engine at once, all batches
     batch_poll_s: float = Field(default=1.0, gt=0)  # how often expiry is checked without other events

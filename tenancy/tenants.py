@@ -44,6 +44,11 @@ class TenantLimits:
     # Files kept for the Files and Batch APIs: how many, and their bytes together (None: the server's default)
     max_files: int | None = None
     max_file_bytes: int | None = None
+    # Stored Responses API responses: how many and their bytes together (past either, the oldest finished
+    # ones go), and background responses queued or running at once (None: the server's defaults)
+    max_stored_responses: int | None = None
+    max_stored_response_bytes: int | None = None
+    max_background_responses: int | None = None
 
 
 @dataclass(slots=True, frozen=True)
@@ -170,7 +175,7 @@ def _parse_key_hashes(entry: str, raw: Any) -> tuple[str, ...]:
 
 
 LIMIT_FIELDS = ("max_concurrent", "max_queued", "tokens_per_minute", "max_prompt_tokens", "max_files",
-                "max_file_bytes")
+                "max_file_bytes", "max_stored_responses", "max_stored_response_bytes", "max_background_responses")
 KNOWN_FIELDS = {"id", "weight", "api_key_hashes", "classes", "cache_group", *LIMIT_FIELDS}
 
 

@@ -60,10 +60,13 @@ CREATE TABLE IF NOT EXISTS responses (
     status TEXT NOT NULL,  -- a copy of data's status, so unfinished background responses are found by index
     data TEXT NOT NULL,    -- the response object
     items TEXT NOT NULL,   -- its conversation's input items (earlier turns included), canonical JSON
-    request TEXT           -- a background response's request body, to run it again after a restart
+    request TEXT,          -- a background response's request body, to run it again after a restart
+    bytes INTEGER NOT NULL DEFAULT 0  -- data, items and request together: what counts against the tenant
 );
 CREATE INDEX IF NOT EXISTS responses_by_status ON responses (status);
 """
+# Created after the migrations: databases from before a column gain it first.
+RESPONSES_BY_TENANT = "CREATE INDEX IF NOT EXISTS responses_by_tenant ON responses (tenant, status)"
 # Created after the migration: databases from before the status column gain it first.
 STATUS_INDEX = "CREATE INDEX IF NOT EXISTS batches_by_status ON batches (status, seq)"
 
@@ -83,6 +86,10 @@ class DatabaseUnusable(StoreError):
 
 class StorageFull(StoreError):
     """A write failed because the disk (or the database) is full; nothing of it was kept."""
+
+
+class StorageQuotaExceeded(Exception):
+    """What the tenant keeps stored would pass its quota; nothing was stored. The message says which."""
 
 
 def is_disk_full(exc: BaseException) -> bool:
@@ -115,7 +122,9 @@ def open_database(path: Path) -> sqlite3.Connection:
         db.execute("PRAGMA synchronous=FULL")  # a result acknowledged is on disk
         db.executescript(SCHEMA)
         _add_status_column(db)
+        _add_response_bytes_column(db)
         db.execute(STATUS_INDEX)
+        db.execute(RESPONSES_BY_TENANT)
     except BaseException:
         db.close()
         raise
@@ -148,6 +157,17 @@ def _add_status_column(db: sqlite3.Connection) -> None:
     with transaction(db):
         db.execute("ALTER TABLE batches ADD COLUMN status TEXT NOT NULL DEFAULT ''")
         db.execute("UPDATE batches SET status = json_extract(data, '$.status')")
+
+
+def _add_response_bytes_column(db: sqlite3.Connection) -> None:
+    """Databases written before stored responses counted against their tenant get their sizes."""
+    columns = {row[1] for row in db.execute("PRAGMA table_info(responses)")}
+    if "bytes" in columns:
+        return
+    with transaction(db):
+        db.execute("ALTER TABLE responses ADD COLUMN bytes INTEGER NOT NULL DEFAULT 0")
+        db.execute("UPDATE responses SET bytes = length(CAST(data AS BLOB)) + length(CAST(items AS BLOB)) "
+                   "+ COALESCE(length(CAST(request AS BLOB)), 0)")
 
 
 class DatabaseThread:

@@ -17,7 +17,7 @@ from starlette.routing import Route
 
 from app.batch.runner import BatchRunner
 from app.batch.service import ACTIVE_STATUSES, CANCELLABLE_STATUSES, fail_validation, new_batch, parse_input_file
-from app.batch.store import BatchStore, FileQuota, StorageQuotaExceeded, StoredFile
+from app.batch.store import BatchStore, FileQuota, StoredFile
 from app.batch.uploads import parse_upload_form, storage_errors
 from app.plumbing.asgi import read_body
 from app.plumbing.errors import APIError, from_validation_error, json_response
@@ -78,9 +78,6 @@ class BatchRoutes:
             with storage_errors("the file"):
                 stored = await self.store.add_file(tenant.tenant_id, upload.filename or "upload.jsonl",
                                                    str(purpose), upload.file, self._quota_of(tenant))
-        except StorageQuotaExceeded as exc:
-            raise APIError(429, f"Storage limit reached: {exc}.", type="rate_limit_error",
-                           code="storage_limit_exceeded") from None
         finally:
             await form.close()
         return json_response(stored.as_openai())

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from app.batch import finish
-from app.batch.database import DatabaseThread, transaction
+from app.batch.database import DatabaseThread, StorageQuotaExceeded, transaction
 
 COPY_CHUNK_BYTES = 1024 * 1024
 
@@ -45,10 +45,6 @@ class FileQuota:
 
     max_files: int
     max_bytes: int
-
-
-class StorageQuotaExceeded(Exception):
-    """The tenant's stored files would pass its quota; nothing was stored. The message says which."""
 
 
 @dataclass(slots=True, frozen=True)

@@ -12,7 +12,7 @@ from starlette.datastructures import FormData
 from starlette.formparsers import MultiPartException, MultiPartParser
 from starlette.requests import Request
 
-from app.batch.database import StorageFull, is_disk_full
+from app.batch.database import StorageFull, StorageQuotaExceeded, is_disk_full
 from app.plumbing.asgi import bounded_body
 from app.plumbing.errors import APIError
 
@@ -34,9 +34,13 @@ async def parse_upload_form(request: Request, max_bytes: int) -> FormData:
 
 @contextmanager
 def storage_errors(what: str) -> Iterator[None]:
-    """A full disk (the database's, or the temporary files') answers 507 Insufficient Storage."""
+    """A full disk (the database's, or the temporary files') answers 507 Insufficient Storage; the
+    tenant's own storage quota, 429."""
     try:
         yield
+    except StorageQuotaExceeded as exc:
+        raise APIError(429, f"Storage limit reached: {exc}.", type="rate_limit_error",
+                       code="storage_limit_exceeded") from None
     except (StorageFull, OSError) as exc:
         if isinstance(exc, OSError) and not is_disk_full(exc):
             raise

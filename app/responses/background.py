@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncGenerator, Coroutine
+from collections import Counter
+from collections.abc import AsyncGenerator, Callable, Coroutine
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
@@ -54,6 +55,7 @@ class BackgroundResponses:
         self.runner = runner
         self.store = store
         self.logs = EventLogs()
+        self.readers = ReaderSlots(runner.context.settings.tenant_max_reattached_streams)
         self._runs: dict[str, tuple[asyncio.Task[None], ResponseHead]] = {}  # by response id, while running
 
     async def start(self) -> None:
@@ -89,10 +91,12 @@ class BackgroundResponses:
         self._spawn(run.head, self._run_streamed(run, stream))
         return stream.log
 
-    def events_after(self, stored: StoredResponse, starting_after: int | None) -> AsyncGenerator[bytes, None]:
+    def events_after(self, tenant_id: str, stored: StoredResponse, starting_after: int | None
+                     ) -> AsyncGenerator[bytes, None]:
         """The stream of a background response created with stream=true, from the event after
         `starting_after`: its kept events, then the new ones until it ends; rebuilt from the stored
-        response once they are no longer kept. Any other response is a 400, as OpenAI answers."""
+        response once they are no longer kept. Any other response is a 400, as OpenAI answers. A
+        tenant's re-attached streams open at once are bounded: past the bound, a 429."""
         response = stored.response
         if not response.get("background"):
             raise APIError(400, "This response cannot be streamed because it was not created with background=true.",
@@ -103,7 +107,7 @@ class BackgroundResponses:
         log = self.logs.get(response["id"])
         if log is None:  # its events were dropped, or it finished before a restart
             log = EventLog.ended(rebuilt_events(response))
-        return log.frames_after(starting_after)
+        return self.readers.hold(tenant_id, log.frames_after(starting_after))
 
     async def cancel(self, tenant_id: str, response_id: str) -> dict[str, Any] | None:
         """The response after a cancel (None: no such response of this tenant). A finished one is
@@ -137,7 +141,8 @@ class BackgroundResponses:
         request = run.head.body.model_dump_json(by_alias=True, exclude_none=True)
         try:
             with storage_errors("the response"):
-                await self.store.add(run.tenant.tenant_id, queued, run.items, request)
+                await self.store.add(run.tenant.tenant_id, queued, run.items, self.runner.quota_of(run.tenant),
+                                     request)
         except APIError:
             run.started.choices.generations[0].close()  # nobody could ever read it: abort the request
             raise
@@ -237,6 +242,50 @@ class BackgroundResponses:
     async def _mark_in_progress(self, run: ResponseRun) -> None:
         await run.started.choices.generations[0].started.wait()
         await self._record(run.head.id, run.head.render("in_progress"))
+
+
+class ReaderSlots:
+    """Each tenant's re-attached streams open at once: a re-attachment holds a connection and a reader
+    of a log, and costs no quota of the engine's, so without a bound one tenant could hold them all."""
+
+    def __init__(self, per_tenant: int) -> None:
+        self.per_tenant = per_tenant
+        self.open: Counter[str] = Counter()
+
+    def hold(self, tenant_id: str, frames: AsyncGenerator[bytes, None]) -> AsyncGenerator[bytes, None]:
+        if self.open[tenant_id] >= self.per_tenant:
+            raise APIError(429, f"This tenant already follows {self.open[tenant_id]} response streams, its "
+                                "limit; close one first.", type="rate_limit_error", code="rate_limit_exceeded")
+        self.open[tenant_id] += 1
+        return HeldFrames(frames, lambda: self._release(tenant_id))
+
+    def _release(self, tenant_id: str) -> None:
+        self.open[tenant_id] -= 1
+        if not self.open[tenant_id]:
+            del self.open[tenant_id]
+
+
+class HeldFrames(AsyncGenerator[bytes, None]):
+    """Frames that hold a slot until closed: by aclose, which the SSE response always calls (on an
+    async generator never started, aclose would run none of its own cleanup)."""
+
+    def __init__(self, frames: AsyncGenerator[bytes, None], release: Callable[[], None]) -> None:
+        self._frames = frames
+        self._release: Callable[[], None] | None = release
+
+    async def asend(self, value: None) -> bytes:
+        return await self._frames.asend(value)
+
+    async def athrow(self, *args: Any) -> bytes:
+        return await self._frames.athrow(*args)
+
+    async def aclose(self) -> None:
+        try:
+            await self._frames.aclose()
+        finally:
+            release, self._release = self._release, None
+            if release is not None:
+                release()
 
 
 def _was_streamed(stored: StoredResponse) -> bool:

@@ -6,8 +6,10 @@ runs. The client that created it, and any client of its tenant that re-attaches 
 N at once, then each new one as it comes, until the response ends. Readers only read: one leaving
 changes nothing for the generation or for the other readers.
 
-The logs live in memory, owned by the event loop. A running response's log is kept whole (its size is
-bounded by its max_output_tokens); a finished one's is kept for KEEP_FINISHED_S, and only while the
+The logs live in memory, owned by the event loop. A running response's log keeps its last
+MAX_LOG_BYTES of frames (a tenant has at most `tenant_max_background_responses` running): a reader
+that asks for, or falls behind to, a frame no longer kept gets an `error` event naming the first one
+kept, and its stream ends. A finished one's is kept for KEEP_FINISHED_S, and only while the
 finished logs together hold at most MAX_FINISHED_BYTES, the oldest dropped first. A response whose log
 is gone (dropped, or finished before a restart) is streamed from its stored object (events.py's
 `rebuilt_events`).
@@ -20,23 +22,28 @@ import time
 from collections import OrderedDict
 from collections.abc import AsyncGenerator, Callable
 
+from app.responses.events import sse_frame
+
 KEEP_FINISHED_S = 600.0  # about as long as OpenAI keeps a background response's events
 MAX_FINISHED_BYTES = 64 * 1024 * 1024
+MAX_LOG_BYTES = 1024 * 1024  # of one log; when passed, its oldest frames go down to 3/4 of it
 
 
 class EventLog:
     """One response's event frames in order: frame i is the event whose sequence_number is i."""
 
-    def __init__(self) -> None:
-        self.frames: list[bytes] = []
+    def __init__(self, max_bytes: int = MAX_LOG_BYTES) -> None:
+        self.frames: list[bytes] = []  # the kept frames: frame i has sequence number first + i
+        self.first = 0
         self.num_bytes = 0
+        self.max_bytes = max_bytes
         self.is_ended = False
         self._changed = asyncio.Event()  # set, then replaced by a fresh one, at every change
 
     @classmethod
     def ended(cls, frames: list[bytes]) -> EventLog:
         """A log that is already complete (a stream rebuilt from a stored response)."""
-        log = cls()
+        log = cls(max_bytes=sum(len(frame) for frame in frames))
         log.append(frames)
         log.end()
         return log
@@ -45,7 +52,19 @@ class EventLog:
         assert not self.is_ended, "an ended log never grows: its readers have stopped following it"
         self.frames += frames
         self.num_bytes += sum(len(frame) for frame in frames)
+        if self.num_bytes > self.max_bytes:
+            self._forget_oldest()
         self._wake()
+
+    def _forget_oldest(self) -> None:
+        """Drop the oldest frames down to 3/4 of the bound (so that not every append copies the list);
+        the last frame always stays."""
+        target, num_dropped = self.max_bytes * 3 // 4, 0
+        while num_dropped < len(self.frames) - 1 and self.num_bytes > target:
+            self.num_bytes -= len(self.frames[num_dropped])
+            num_dropped += 1
+        del self.frames[:num_dropped]
+        self.first += num_dropped
 
     def end(self) -> None:
         """No frame will follow (the response ended, was cancelled, or the server stops); idempotent."""
@@ -57,9 +76,12 @@ class EventLog:
         the kept ones at once, then each new one as it comes, until the log ends."""
         position = 0 if starting_after is None else starting_after + 1
         while True:
+            if position < self.first:
+                yield gone_frame(self.first)
+                return
             # Read the frames, the end and the wake-up together (no await in between): whatever is
             # appended while the frames are sent has set `changed`, so it is never missed.
-            frames, is_ended, changed = self.frames[position:], self.is_ended, self._changed
+            frames, is_ended, changed = self.frames[position - self.first:], self.is_ended, self._changed
             for frame in frames:
                 yield frame
             position += len(frames)
@@ -70,6 +92,14 @@ class EventLog:
     def _wake(self) -> None:
         self._changed.set()
         self._changed = asyncio.Event()
+
+
+def gone_frame(first_kept: int) -> bytes:
+    """The `error` event of a reader whose next frame is no longer kept (no sequence number: it is not
+    one of the response's events)."""
+    message = (f"Events before sequence number {first_kept} are no longer kept for this running response; "
+               f"re-attach with starting_after={first_kept - 1} or later, or retrieve the response once it ends.")
+    return sse_frame({"type": "error", "code": "events_expired", "message": message, "param": "starting_after"})
 
 
 class EventLogs:

@@ -77,7 +77,7 @@ class ResponsesRoutes:
         stored = await self._own(tenant, request)
         if not is_streamed:
             return json_response(stored.response)
-        return EventStreamResponse(self.background.events_after(stored, starting_after))
+        return EventStreamResponse(self.background.events_after(tenant.tenant_id, stored, starting_after))
 
     async def delete(self, request: Request) -> Response:
         tenant = self.context.gate.authenticate(request)

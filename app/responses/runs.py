@@ -22,7 +22,7 @@ from app.plumbing.errors import APIError
 from app.responses.events import ResponseEvents
 from app.responses.objects import ResponseHead, finished
 from app.responses.schemas import ResponsesBody
-from app.responses.store import ResponseStore
+from app.responses.store import ResponseQuota, ResponseStore
 from app.responses.translate import (
     RESPONSES_PARAM,
     Item,
@@ -157,7 +157,7 @@ class ResponseRunner:
         response = await self.result(run)
         if run.head.body.is_stored:
             with storage_errors("the response"):
-                await self.store.add(run.tenant.tenant_id, response, run.items)
+                await self.store.add(run.tenant.tenant_id, response, run.items, self.quota_of(run.tenant))
         return response
 
     async def events(self, run: ResponseRun) -> AsyncGenerator[bytes, None]:
@@ -200,13 +200,20 @@ class ResponseRunner:
     async def _store_quietly(self, run: ResponseRun, response: dict[str, Any]) -> None:
         """After the last event nobody is left to tell that storing failed: the log is told."""
         try:
-            await self.store.add(run.tenant.tenant_id, response, run.items)
+            await self.store.add(run.tenant.tenant_id, response, run.items, self.quota_of(run.tenant))
         except Exception:
             logger.exception("response %s could not be stored", run.head.id)
 
     def failure(self, exc: GenerationFailed) -> APIError:
         """A generation the engine ended with an error, answered as chat completions answer it."""
         return self.starter.failure(exc)
+
+    def quota_of(self, tenant: Tenant) -> ResponseQuota:
+        """What the tenant may keep stored: its own limits from the tenants file, else the server's."""
+        settings, limits = self.context.settings, tenant.limits
+        return ResponseQuota(limits.max_stored_responses or settings.tenant_max_stored_responses,
+                             limits.max_stored_response_bytes or settings.tenant_max_stored_response_bytes,
+                             limits.max_background_responses or settings.tenant_max_background_responses)
 
 
 def _translated(body: ResponsesBody, items: list[dict[str, Any]]) -> ChatCompletionBody:

@@ -17,9 +17,11 @@ import pytest
 from openai import Stream
 from openai.types.responses import ResponseCreatedEvent, ResponseStreamEvent
 
+from app.plumbing.errors import APIError
+from app.responses.background import ReaderSlots
 from app.responses.events import rebuilt_events
 from app.responses.replay import EventLog, EventLogs
-from app.responses.store import ResponseStore
+from app.responses.store import ResponseQuota, ResponseStore
 from benchmarks.fake_executors import script_text
 from tests.app.conftest import ServerThread, fresh_db_path, instant_context, stepped_server, wait_for
 from tests.tenants_files import tenants_toml
@@ -217,7 +219,7 @@ async def leave_unfinished(db_path: str, response_id: str, model: str) -> None:
               "status": "completed"}]
     store = ResponseStore(db_path)
     try:
-        await store.add("default", response, items, json.dumps(request))
+        await store.add("default", response, items, ResponseQuota(10, 1 << 20, 10), json.dumps(request))
     finally:
         await store.close()
 
@@ -357,3 +359,80 @@ def test_a_failed_response_is_rebuilt_with_its_error() -> None:
                                                    "error", "response.failed"]
     assert events[-2]["message"] == "The engine stopped." and events[-1]["response"] == response
     assert [event["sequence_number"] for event in events] == list(range(5))
+
+
+async def test_a_running_log_keeps_its_last_frames_and_tells_a_reader_too_far_back() -> None:
+    log = EventLog(max_bytes=40)
+    log.append([b"%09d\n" % number for number in range(3)])  # 30 bytes: all kept
+    behind = log.frames_after(None)
+    assert await anext(behind) == b"000000000\n"  # it holds frames 1 and 2 already
+    log.append([b"%09d\n" % number for number in range(3, 6)])  # 60 bytes: down to 30, the last 3
+    assert log.first == 3 and log.num_bytes == 30
+    log.append([b"%09d\n" % number for number in range(6, 9)])
+    assert log.first == 6
+
+    assert [await anext(behind), await anext(behind)] == [b"000000001\n", b"000000002\n"]
+    gone = json.loads((await anext(behind)).split(b"data: ", 1)[1])  # frame 3 is no longer kept
+    assert gone["code"] == "events_expired" and "starting_after=5" in gone["message"]
+    assert [frame async for frame in behind] == []  # its stream ends there
+    recent = log.frames_after(6)
+    assert await anext(recent) == b"000000007\n"
+
+
+async def test_a_tenants_reattached_streams_are_bounded_and_each_frees_its_slot() -> None:
+    slots = ReaderSlots(per_tenant=2)
+    log = EventLog.ended([b"0", b"1"])
+    first, second = slots.hold("alice", log.frames_after(None)), slots.hold("alice", log.frames_after(None))
+    with pytest.raises(APIError) as refused:
+        slots.hold("alice", log.frames_after(None))
+    assert refused.value.status == 429
+    await slots.hold("bob", log.frames_after(None)).aclose()  # bob has slots of his own
+
+    await first.aclose()  # never started: closing it frees its slot all the same
+    assert [frame async for frame in second] == [b"0", b"1"]
+    await second.aclose()
+    assert slots.open == {}
+
+
+def test_background_responses_at_once_are_bounded_per_tenant() -> None:
+    server, executor = stepped_server(tenant_max_background_responses=2)
+    try:
+        with client_of(server) as client:
+            running = [client.responses.create(model=server.model_name, input="Hi", background=True,
+                                               max_output_tokens=40) for _ in range(2)]
+            with pytest.raises(openai.RateLimitError) as refused:
+                client.responses.create(model=server.model_name, input="Hi", background=True, max_output_tokens=40)
+            assert refused.value.code == "storage_limit_exceeded"
+            client.responses.cancel(running[0].id)
+            third = client.responses.create(model=server.model_name, input="Hi", background=True,
+                                            max_output_tokens=4)
+            executor.open()
+            wait_for(lambda: status_of(client, third.id) not in ACTIVE, what="the third to finish")
+            assert status_of(client, third.id) == "incomplete"  # its 4 tokens written
+    finally:
+        executor.open()
+        server.stop()
+
+
+def test_a_reattachment_past_the_tenants_bound_is_a_429_until_one_closes() -> None:
+    server, executor = stepped_server(tenant_max_reattached_streams=1)
+    try:
+        with client_of(server) as client:
+            created = client.responses.create(model=server.model_name, input="Hi", background=True, stream=True,
+                                              max_output_tokens=40)
+            executor.allow(2)
+            with created:
+                response_id = id_of(read_deltas(created, 1))
+            with reattach(client, response_id) as following:
+                next(iter(following))
+                with pytest.raises(openai.RateLimitError):
+                    reattach(client, response_id)
+            wait_for(lambda: reattach_status(server, response_id) == 200, what="the slot to be freed")
+    finally:
+        executor.open()
+        server.stop()
+
+
+def reattach_status(server: ServerThread, response_id: str) -> int:
+    with httpx.stream("GET", f"{server.base_url}/v1/responses/{response_id}?stream=true", timeout=10) as response:
+        return response.status_code

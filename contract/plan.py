@@ -17,6 +17,9 @@ class StructuredOutput:
 
     kind: Literal["json_object", "json_schema", "regex"]
     spec: str = ""  # the JSON schema as JSON text (json_schema), the pattern (regex); "" for json_object
+    # Whose entries of the grammar cache it compiles into and reads: its tenant's (or cache group's), so that
+    # no tenant learns from a first compile's time, or its absence, which schemas another has sent.
+    scope: str = ""
 
 
 @dataclass(slots=True, frozen=True)

@@ -106,7 +106,8 @@ def _schema_of(spec: str) -> dict[str, Any]:
 
 
 class GrammarCache:
-    """Compiled grammars by (kind, spec), the least recently used dropped past `capacity`.
+    """Compiled grammars by (scope, kind, spec), the least recently used dropped past `capacity`: a
+    tenant's grammars are its own (see StructuredOutput.scope).
 
     An entry is a pristine matcher, never advanced: a request gets a copy (0.03 ms against 0.6 ms
     to build one from the grammar text, more for large schemas). Thread-safe: the API layer may
@@ -123,7 +124,7 @@ class GrammarCache:
         self.stop_token_ids = tokenizer.eos_token_ids
         self.capacity = capacity
         self._grammar_tokenizer: llguidance.LLTokenizer | None = None
-        self._matchers: OrderedDict[tuple[str, str], llguidance.LLMatcher] = OrderedDict()
+        self._matchers: OrderedDict[tuple[str, str, str], llguidance.LLMatcher] = OrderedDict()
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -134,7 +135,7 @@ class GrammarCache:
         return self._compiled(structured).deep_copy()
 
     def _compiled(self, structured: StructuredOutput) -> llguidance.LLMatcher:
-        key = (structured.kind, structured.spec)
+        key = (structured.scope, structured.kind, structured.spec)
         with self._lock:
             matcher = self._matchers.get(key)
             if matcher is not None:

@@ -81,7 +81,7 @@ class AnthropicRoutes:
         body = await self._parse(request, MessagesBody, tenant)
         chat = await self._chat_body(body, tenant)
         prompt = await self.starter.chat_prompt(chat, tenant)
-        await self.starter.check_grammar(chat)
+        await self.starter.check_grammar(chat, tenant)
         message_id = "msg_" + uuid.uuid4().hex
         # Every request of this API is interactive: its service tiers both ask for standard capacity.
         started = self.starter.start(message_id, chat, [prompt], tenant, "messages", PriorityClass.INTERACTIVE,

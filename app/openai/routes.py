@@ -193,7 +193,7 @@ class OpenAIRoutes:
 
     async def _generate(self, request: Request, tenant: Tenant, body: GenerationBody, prompts: list[list[int]],
                         flavor: Flavor) -> Response:
-        await self.starter.check_grammar(body)
+        await self.starter.check_grammar(body, tenant)
         completion_id = flavor.id_prefix + uuid.uuid4().hex
         started = self.starter.start(completion_id, body, prompts, tenant, flavor.prompt_param,
                                      self._priority_of(body), await self._cache_pin(body, prompts, tenant))
@@ -246,7 +246,7 @@ class OpenAIRoutes:
             body: GenerationBody = await self.context.off_loop.run_if(
                 _has_many_items(raw_body), tenant_id, self._validated, body_type, {**raw_body, "stream": False})
             self.context.check_model(body.model, tenant)
-            await self.starter.check_grammar(body)
+            await self.starter.check_grammar(body, tenant)
             prompts = await self._prompts_of(body, tenant)
             started = self.starter.start(completion_id, body, prompts, tenant, flavor.prompt_param,
                                          PriorityClass.BATCH, await self._cache_pin(body, prompts, tenant))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 from app.openai.objects import Choice
 from app.openai.schemas import ChatCompletionBody, CompletionBody, GenerationBody
@@ -15,7 +16,7 @@ from gpu.tokenizer import Tokenizer
 GREEDY_BELOW_TEMPERATURE = 1e-5
 
 
-def sampling_params(body: GenerationBody, tokenizer: Tokenizer) -> SamplingParams:
+def sampling_params(body: GenerationBody, tokenizer: Tokenizer, grammar_scope: str = "") -> SamplingParams:
     """The body's sampling fields with OpenAI's defaults (temperature 1, top_p 1). `min_tokens_banned`
     is left for the caller, who knows the request's stop tokens."""
     temperature = 1.0 if body.temperature is None else body.temperature
@@ -37,7 +38,7 @@ def sampling_params(body: GenerationBody, tokenizer: Tokenizer) -> SamplingParam
         min_tokens=min_tokens_of(body),
         logprobs=logprobs,
         prompt_logprobs=body.logprobs if isinstance(body, CompletionBody) and body.echo else None,
-        structured=structured_output_of(body),
+        structured=structured_output_of(body, grammar_scope),
     )
 
 
@@ -46,17 +47,18 @@ def structured_from_response_format(body: GenerationBody) -> bool:
         and body.response_format.type != "text"
 
 
-def structured_output_of(body: GenerationBody) -> StructuredOutput | None:
-    """The grammar of a forced tool call or of response_format; None for free text."""
+def structured_output_of(body: GenerationBody, scope: str = "") -> StructuredOutput | None:
+    """The grammar of a forced tool call or of response_format, compiled into `scope`'s grammar
+    cache entries; None for free text."""
     if not isinstance(body, ChatCompletionBody):
         return None
     forced = forced_structure(body)
     if forced is not None or body.response_format is None or body.response_format.type == "text":
-        return forced
+        return forced if forced is None else replace(forced, scope=scope)
     if body.response_format.type == "json_object":
-        return StructuredOutput("json_object")
+        return StructuredOutput("json_object", scope=scope)
     assert body.response_format.json_schema is not None
-    return StructuredOutput("json_schema", json.dumps(body.response_format.json_schema.schema_ or {}))
+    return StructuredOutput("json_schema", json.dumps(body.response_format.json_schema.schema_ or {}), scope)
 
 
 def logit_bias_of(body: GenerationBody, vocab_size: int) -> tuple[tuple[int, float], ...]:

@@ -14,8 +14,6 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, replace
 
-from starlette.concurrency import run_in_threadpool
-
 from app.openai.sampling import sampling_params, structured_from_response_format, structured_output_of
 from app.openai.schemas import CacheControl, ChatCompletionBody, CompletionBody, GenerationBody
 from app.openai.tools import ToolStream, template_messages, template_tools, uses_tools
@@ -111,15 +109,17 @@ class ChoiceStarter:
         tools = template_tools(chat) if tokenizer.knows_tools else None
         return tokenizer.encode_chat(messages, tools)
 
-    async def check_grammar(self, body: GenerationBody, format_param: str = "response_format") -> None:
+    async def check_grammar(self, body: GenerationBody, tenant: Tenant, format_param: str = "response_format"
+                            ) -> None:
         """A 400 for a schema (of the output format, named `format_param` in the caller's API, or of a
         forced tool call) the grammar engine cannot compile, before anything is submitted. Off the
         event loop: the first one reads the tokenizer."""
-        structured = structured_output_of(body)
+        structured = structured_output_of(body, tenant.cache_salt_for())
         if structured is None:
             return
         try:
-            await run_in_threadpool(self.context.engine.executor.check_structured, structured)
+            await self.context.off_loop.run_if(True, tenant.tenant_id, self.context.engine.executor.check_structured,
+                                               structured)
         except ValueError as exc:
             param = format_param if structured_from_response_format(body) else "tools"
             raise APIError(400, f"The schema cannot be used to constrain the output: {exc}", param=param,
@@ -160,7 +160,7 @@ class ChoiceStarter:
 
     def _engine_requests(self, completion_id: str, body: GenerationBody, prompts: list[list[int]],
                          tenant: Tenant, priority: PriorityClass, cache_pin: CachePin) -> list[EngineRequest]:
-        sampling = sampling_params(body, self.context.tokenizer)
+        sampling = sampling_params(body, self.context.tokenizer, tenant.cache_salt_for())
         stop_token_ids = self._stop_token_ids(body)
         if sampling.min_tokens:
             sampling = replace(sampling, min_tokens_banned=tuple(sorted(stop_token_ids)))

@@ -80,7 +80,7 @@ class ResponseRunner:
         many = len(items) > THREAD_ITEMS
         chat_body = await self.context.off_loop.run_if(many, tenant.tenant_id, _translated, body, items)
         chat_body, prompt = await self._fitting_prompt(chat_body, body, tenant)
-        await self.starter.check_grammar(chat_body, format_param="text.format")
+        await self.starter.check_grammar(chat_body, tenant, format_param="text.format")
         priority = PriorityClass.BATCH if body.is_background or chat_body.is_batch_class \
             else PriorityClass.INTERACTIVE
         try:

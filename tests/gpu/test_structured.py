@@ -290,6 +290,17 @@ def test_check_fills_a_bounded_cache(tiny_model: LoadedModel) -> None:
     assert len(grammars) == 3
 
 
+def test_each_tenant_compiles_into_entries_of_its_own(tiny_model: LoadedModel) -> None:
+    """A grammar another tenant compiled is no faster for this one: no timing tells it was sent."""
+    grammars = GrammarCache(tiny_model.tokenizer, ByteTokenizer.VOCAB_SIZE)
+    alice, bob = (dataclasses.replace(schema_output({"type": "integer"}), scope=scope) for scope in ("alice", "bob"))
+    check(alice, grammars)
+    check(alice, grammars)
+    assert len(grammars) == 1
+    check(bob, grammars)
+    assert len(grammars) == 2
+
+
 def test_the_runner_checks_into_its_own_cache(tiny_model: LoadedModel) -> None:
     runner = make_runner(tiny_model, num_blocks=8)
     runner.check_structured(schema_output(SCHEMAS["person"]))

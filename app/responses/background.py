@@ -166,7 +166,12 @@ class BackgroundResponses:
         self.logs.end(response_id)
 
     async def _resume(self, unfinished: UnfinishedResponse, head: ResponseHead, stream: EventStream | None) -> None:
-        tenant = self.runner.context.engine.tenants.get(unfinished.tenant)
+        tenants = self.runner.context.engine.tenants
+        if not tenants.is_listed(unfinished.tenant):  # never under an unlimited stand-in
+            await self._fail(head, f"The tenant '{unfinished.tenant}' is no longer served, so its background "
+                                   "response cannot run.", stream)
+            return
+        tenant = tenants.get(unfinished.tenant)
         try:
             run = await self._start_again(tenant, head, unfinished.stored.items)
         except APIError as exc:

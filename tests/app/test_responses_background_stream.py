@@ -9,6 +9,7 @@ import asyncio
 import json
 import time
 from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -210,7 +211,7 @@ def test_a_finished_stream_is_replayed_whole_and_rebuilt_after_a_restart() -> No
     assert final.id == response_id and final.output_text == SCRIPT
 
 
-async def leave_unfinished(db_path: str, response_id: str, model: str) -> None:
+async def leave_unfinished(db_path: str, response_id: str, model: str, tenant: str = "default") -> None:
     """What a killed server leaves of a streamed background response: a queued row and its request."""
     request = {"model": model, "input": "Hi", "background": True, "stream": True}
     response = {"id": response_id, "object": "response", "created_at": int(time.time()), "status": "queued",
@@ -219,7 +220,7 @@ async def leave_unfinished(db_path: str, response_id: str, model: str) -> None:
               "status": "completed"}]
     store = ResponseStore(db_path)
     try:
-        await store.add("default", response, items, ResponseQuota(10, 1 << 20, 10), json.dumps(request))
+        await store.add(tenant, response, items, ResponseQuota(10, 1 << 20, 10), json.dumps(request))
     finally:
         await store.close()
 
@@ -238,6 +239,33 @@ def test_a_response_run_again_after_a_restart_streams_anew() -> None:
     assert_numbered_from(events, 0)
     assert [e.type for e in events[:3]] == ["response.created", "response.queued", "response.in_progress"]
     assert events[-1].type == "response.completed" and text_of(events) == SCRIPT == stored.output_text
+
+
+def test_a_response_of_a_tenant_no_longer_served_fails_instead_of_running(tmp_path: Path) -> None:
+    db_path = fresh_db_path()
+    asyncio.run(leave_unfinished(db_path, "resp_of_carol", "instant", tenant="carol"))
+    tenants_file = tmp_path / "tenants.toml"
+    tenants_file.write_text(tenants_toml(KEYS))  # carol has left the file
+    server = ServerThread(instant_context(script=SCRIPT.encode(), batch_db_path=db_path,
+                                          tenants_file=str(tenants_file))).start()
+    try:
+        wait_for(lambda: stored_status(db_path, "carol", "resp_of_carol") == "failed", what="carol's to fail")
+        num_submitted = len(server.engine.submitted)
+    finally:
+        server.stop()
+    assert num_submitted == 0
+
+
+def stored_status(db_path: str, tenant: str, response_id: str) -> str | None:
+    async def read() -> str | None:
+        store = ResponseStore(db_path)
+        try:
+            stored = await store.get(tenant, response_id)
+        finally:
+            await store.close()
+        return None if stored is None else str(stored.response["status"])
+
+    return asyncio.run(read())
 
 
 def test_only_a_background_response_created_with_stream_is_streamed(instant_server: ServerThread) -> None:

@@ -6,7 +6,10 @@ admission: when only pinned blocks are free, the device pool reuses them anyway 
 freed first), and a pinned block that leaves the device is written down like any other. Pins are keyed
 by block hash, so a pin follows its block through the tiers; the hash holds the tenant's salt, so a pin
 is the tenant's own. Each tenant may pin at most `max_blocks_per_tenant` blocks at once: past that a
-breakpoint is an ordinary prefix, cached as long as nothing needs its blocks.
+breakpoint is an ordinary prefix, cached as long as nothing needs its blocks. In the host and disk
+tiers a pin keeps its entry only within shares of the tier (cache_tiers.py's TierIndex): pins together
+keep at most half of a tier, one tenant's at most a quarter, so that no tenant's pins crowd the other
+tenants' blocks out of a tier.
 """
 
 from __future__ import annotations
@@ -48,6 +51,10 @@ class CachePins:
             return False
         until = self._until.get(block_hash)
         return until is not None and until > self._clock()
+
+    def owner_of(self, block_hash: bytes) -> str | None:
+        """The tenant whose pin keeps this block now; None when no pin does."""
+        return self._tenant_of.get(block_hash) if self.is_pinned(block_hash) else None
 
     def pinned_by(self, tenant_id: str) -> int:
         return self._per_tenant[tenant_id]

@@ -17,7 +17,7 @@ in a fixed order before the forward (see `contract.plan.TierCopies`); the runner
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -40,14 +40,17 @@ class TierIndex:
     copies are made, so no slot is written and read, or written twice, within one plan."""
 
     def __init__(self, name: str, capacity: int, has_slots: bool,
-                 is_pinned: Callable[[bytes], bool] | None = None) -> None:
+                 pin_owner: Callable[[bytes], str | None] | None = None) -> None:
         self.name = name
         self.capacity = capacity
+        # The entries pins may keep from eviction: all pins together, and one tenant's (see _victim).
+        self.max_kept_by_pins = max(1, capacity // 2)
+        self.max_kept_by_tenant_pins = max(1, capacity // 4)
         self._entries: OrderedDict[bytes, int] = OrderedDict()
         self._free_slots = list(range(capacity - 1, -1, -1)) if has_slots else []
         self._has_slots = has_slots
         self._busy: set[bytes] = set()
-        self._is_pinned = is_pinned or (lambda _: False)
+        self._pin_owner = pin_owner or (lambda _: None)
         self.counters = TierCounters()
 
     def __len__(self) -> int:
@@ -93,9 +96,19 @@ class TierIndex:
         self._busy.clear()
 
     def _victim(self) -> bytes | None:
+        """The least recently used entry that is neither busy nor kept by a pin. A pin keeps its entry
+        only within the tier's shares: the least recently used pinned entries first, up to a quarter
+        of the tier per tenant and half of it in all; a pinned entry past those is evicted like any."""
+        num_kept = 0
+        kept_by: Counter[str] = Counter()
         for block_hash in self._entries:
-            if block_hash not in self._busy and not self._is_pinned(block_hash):
+            if block_hash in self._busy:
+                continue
+            owner = self._pin_owner(block_hash)
+            if owner is None or num_kept >= self.max_kept_by_pins or kept_by[owner] >= self.max_kept_by_tenant_pins:
                 return block_hash
+            num_kept += 1
+            kept_by[owner] += 1
         return None
 
 
@@ -103,9 +116,9 @@ class LowerTiers:
     """The host and disk tiers of one KV block manager, and the copies they ask of the next step."""
 
     def __init__(self, num_host_blocks: int, num_disk_blocks: int, disk_hashes: Iterable[bytes] = (),
-                 is_pinned: Callable[[bytes], bool] | None = None) -> None:
-        self.host = TierIndex("host", num_host_blocks, has_slots=True, is_pinned=is_pinned)
-        self.disk = TierIndex("disk", num_disk_blocks, has_slots=False, is_pinned=is_pinned)
+                 pin_owner: Callable[[bytes], str | None] | None = None) -> None:
+        self.host = TierIndex("host", num_host_blocks, has_slots=True, pin_owner=pin_owner)
+        self.disk = TierIndex("disk", num_disk_blocks, has_slots=False, pin_owner=pin_owner)
         for block_hash in disk_hashes:  # what the disk held at start, oldest first
             if self.disk.insert(block_hash) is None:
                 break

@@ -103,7 +103,7 @@ class Scheduler:
         self.pins = CachePins(config.max_pinned_blocks_per_tenant, clock)
         self._pins_expired_at = clock()
         tiers = LowerTiers(geometry.num_host_blocks, geometry.num_disk_blocks, geometry.disk_block_hashes,
-                           self.pins.is_pinned)
+                           self.pins.owner_of)
         self.blocks = KVBlockManager(geometry.num_device_blocks, geometry.num_cpu_blocks, geometry.block_size,
                                      config.enable_prefix_caching, tiers, self.pins)
         self.vtc = {c: VirtualTokenCounter(config.service_weights, self.tenants.weight) for c in CLASSES}

@@ -167,7 +167,7 @@ def test_two_tenants_never_share_blocks_in_any_tier() -> None:
 def test_busy_and_pinned_entries_are_not_evicted() -> None:
     now = [0.0]
     pins = CachePins(max_blocks_per_tenant=8, clock=lambda: now[0])
-    tiers = LowerTiers(num_host_blocks=2, num_disk_blocks=0, is_pinned=pins.is_pinned)
+    tiers = LowerTiers(num_host_blocks=2, num_disk_blocks=0, pin_owner=pins.owner_of)
     tiers.write_down(0, b"a")
     tiers.write_down(1, b"b")
     tiers.write_down(2, b"c")  # both entries are busy this step: c is not kept
@@ -181,6 +181,34 @@ def test_busy_and_pinned_entries_are_not_evicted() -> None:
     now[0] = 11.0
     tiers.write_down(3, b"d")  # a's pin is over: a goes
     assert tiers.host.hashes() == [b"c", b"d"]
+
+
+def test_one_tenants_pins_keep_at_most_its_share_of_a_tier() -> None:
+    """A quarter of the tier per tenant, half for all pins: the rest is always there for every tenant's
+    evicted blocks, however much the pinning tenants may pin."""
+    pins = CachePins(max_blocks_per_tenant=100, clock=lambda: 0.0)
+    tiers = LowerTiers(num_host_blocks=8, num_disk_blocks=0, pin_owner=pins.owner_of)
+    mallory = [b"m%d" % number for number in range(8)]
+    for block, block_hash in enumerate(mallory):
+        tiers.write_down(block, block_hash)
+        tiers.take_copies()
+    pins.pin("mallory", mallory, ttl_s=60)
+    assert pins.pinned_by("mallory") == 8  # all of the host tier
+
+    others = [b"o%d" % number for number in range(6)]
+    for block, block_hash in enumerate(others):
+        tiers.write_down(block, block_hash)
+        tiers.take_copies()
+    host = tiers.host.hashes()
+    assert sum(block_hash in host for block_hash in mallory) == 2  # a quarter of 8
+    assert all(block_hash in host for block_hash in others)
+
+    pins.pin("trent", others[:4], ttl_s=60)  # a second pinning tenant: together, half of the tier
+    for block, block_hash in enumerate([b"x%d" % number for number in range(8)]):
+        tiers.write_down(block, block_hash)
+        tiers.take_copies()
+    kept = [block_hash for block_hash in tiers.host.hashes() if pins.owner_of(block_hash) is not None]
+    assert len(kept) == 4 and sum(block_hash.startswith(b"o") for block_hash in kept) == 2
 
 
 def test_pins_keep_to_the_tenant_quota_and_expire() -> None:

@@ -1,4 +1,4 @@
-"""`python -m loadtest soak` and `python -m loadtest overload`: the long runs, each with its own flags.
+"""`python -m loadtest soak`, `overload` and `noisy-neighbour`: the long runs, each with its own flags.
 Exit status: 0 when the run held, 1 when a check failed, 2 for a run refused before it began."""
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 import httpx
 
 from loadtest.client import is_loopback_url
+from loadtest.noisy import NoisyConfig, build_noisy_report, run_noisy, write_noisy_report
 from loadtest.overload import OverloadConfig, run_overload
 from loadtest.overload_report import build_overload_report, write_overload_report
 from loadtest.soak import SoakConfig, run_soak
@@ -21,7 +22,7 @@ from loadtest.workload import ANONYMOUS, LoadTenant, LoadTenantsError, load_admi
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 MIB = 1024 * 1024
-LONG_RUNS = ("soak", "overload")
+LONG_RUNS = ("soak", "overload", "noisy-neighbour")
 T = TypeVar("T")
 
 
@@ -56,6 +57,18 @@ def overload_parser() -> argparse.ArgumentParser:
     p.add_argument("--surge-seconds", type=float, default=120.0)
     p.add_argument("--batch-share", type=float, default=0.5, help="share of the surge's clients sending batch work")
     p.add_argument("--recovery-timeout", type=float, default=120.0)
+    return p
+
+
+def noisy_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m loadtest noisy-neighbour", description=__doc__)
+    _common(p, "noisy-neighbour")
+    p.add_argument("--phase-seconds", type=float, default=60.0, help="the light tenant's chats, per phase")
+    p.add_argument("--light-clients", type=int, default=2, help="the light tenant's closed-loop chat users")
+    p.add_argument("--light-batch-items", type=int, default=8)
+    p.add_argument("--neighbour-batch-items", type=int, default=200)
+    p.add_argument("--upload-mib", type=float, default=16.0, help="size of each of the neighbour's uploads")
+    p.add_argument("--max-ratio", type=float, default=1.3, help="the light tenant's latency allowed, times alone")
     return p
 
 
@@ -101,13 +114,27 @@ def _overload(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     return report, write_overload_report(report, Path(args.out))
 
 
+def _noisy(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+    tenants, _ = tenants_of(args.tenants)
+    config = NoisyConfig(args.url.rstrip("/"), tenants, args.phase_seconds, args.light_clients,
+                         args.light_batch_items, args.neighbour_batch_items, upload_bytes=int(args.upload_mib * MIB),
+                         max_ratio=args.max_ratio, seed=args.seed)
+    report = build_noisy_report(asyncio.run(run_noisy(config)))
+    return report, write_noisy_report(report, Path(args.out))
+
+
+RUNS = {"soak": (soak_parser, _soak), "overload": (overload_parser, _overload),
+        "noisy-neighbour": (noisy_parser, _noisy)}
+
+
 def run_long(argv: list[str]) -> int:
     """argv starts with the run's name (one of LONG_RUNS)."""
     name, rest = argv[0], argv[1:]
-    args = (soak_parser() if name == "soak" else overload_parser()).parse_args(rest)
+    make_parser, run = RUNS[name]
+    args = make_parser().parse_args(rest)
     if refuses_url(args.url, args.allow_remote):
         return 2
-    done = run_or_explain(args.url, lambda: _soak(args) if name == "soak" else _overload(args))
+    done = run_or_explain(args.url, lambda: run(args))
     if done is None:
         return 2
     report, summary = done

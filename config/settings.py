@@ -124,6 +124,9 @@ class Settings(BaseModel):
     # max_file_bytes): without a bound, one tenant's uploads could fill the disk every tenant writes to.
     tenant_max_files: int = Field(default=1000, ge=1)
     tenant_max_file_bytes: int = Field(default=2 * 1024 * MiB, ge=1024)
+    # Each tenant's file uploads and downloads together move at most this many bytes a second: moving bytes
+    # costs the CPU the model runs on (app/plumbing/byte_rate.py).
+    tenant_file_bytes_per_s: int = Field(default=16 * MiB, ge=64 * 1024)
     # Stored responses (the Responses API's `store`, on by default) each tenant keeps: past either bound its
     # oldest finished ones go, as a cache's would. And its background responses queued or running at once:
     # each holds a task and, streamed, its event log in memory. The tenants file may say otherwise.

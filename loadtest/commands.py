@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 import httpx
 
 from loadtest.client import is_loopback_url
-from loadtest.noisy import NoisyConfig, build_noisy_report, run_noisy, write_noisy_report
+from loadtest.noisy import ABUSES, NoisyConfig, build_noisy_report, run_noisy, write_noisy_report
 from loadtest.overload import OverloadConfig, run_overload
 from loadtest.overload_report import build_overload_report, write_overload_report
 from loadtest.soak import SoakConfig, run_soak
@@ -69,6 +69,8 @@ def noisy_parser() -> argparse.ArgumentParser:
     p.add_argument("--neighbour-batch-items", type=int, default=200)
     p.add_argument("--upload-mib", type=float, default=16.0, help="size of each of the neighbour's uploads")
     p.add_argument("--max-ratio", type=float, default=1.3, help="the light tenant's latency allowed, times alone")
+    p.add_argument("--abuses", default="", help=f"the neighbour's abuses, comma-separated (default all: "
+                                                f"{','.join(ABUSES)})")
     return p
 
 
@@ -118,7 +120,8 @@ def _noisy(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     tenants, _ = tenants_of(args.tenants)
     config = NoisyConfig(args.url.rstrip("/"), tenants, args.phase_seconds, args.light_clients,
                          args.light_batch_items, args.neighbour_batch_items, upload_bytes=int(args.upload_mib * MIB),
-                         max_ratio=args.max_ratio, seed=args.seed)
+                         max_ratio=args.max_ratio, seed=args.seed,
+                         abuses=tuple(name for name in args.abuses.split(",") if name))
     report = build_noisy_report(asyncio.run(run_noisy(config)))
     return report, write_noisy_report(report, Path(args.out))
 

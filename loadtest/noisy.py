@@ -35,6 +35,7 @@ from loadtest.stats import percentile
 from loadtest.workload import BATCH_API, LoadTenant, batch_request, chat_request, prompt_text
 
 ALONE = "alone"
+ABUSES = ("large-batch", "poison-batch", "uploads", "tokenize", "heavy-bodies", "reattach", "pins")
 NEIGHBOUR = "with_neighbour"
 MIB = 1024 * 1024
 
@@ -55,6 +56,7 @@ class NoisyConfig:
     pin_words: int = 400  # words of each prefix the neighbour pins
     max_ratio: float = 1.3
     seed: int = 0
+    abuses: tuple[str, ...] = ()  # the neighbour's abuses by name (ABUSES); empty: all of them
     request_timeout_s: float = 300.0
 
     def check(self) -> None:
@@ -63,6 +65,9 @@ class NoisyConfig:
                              "the neighbour")
         if self.phase_s <= 0 or self.light_clients < 1 or self.light_batch_items < 1:
             raise ValueError("the phase, the light clients and its batch must be positive")
+        unknown = set(self.abuses) - set(ABUSES)
+        if unknown:
+            raise ValueError(f"unknown abuses {sorted(unknown)}; choose from {', '.join(ABUSES)}")
 
     @property
     def light(self) -> LoadTenant:
@@ -160,9 +165,10 @@ class Neighbour:
         self.headers = self.tenant.headers
 
     def abuses(self) -> list[Coroutine[Any, Any, None]]:
-        storm = self.phase.config.storm_workers
-        return [self.large_batch(), self.poison_batch(), self.uploads(), *(self.tokenize() for _ in range(storm)),
-                self.heavy_bodies(), *(self.reattach() for _ in range(storm)), self.pins()]
+        config = self.phase.config
+        workers = {"tokenize": config.storm_workers, "reattach": config.storm_workers}
+        return [getattr(self, abuse.replace("-", "_"))() for abuse in config.abuses or ABUSES
+                for _ in range(workers.get(abuse, 1))]
 
     async def _loop(self, abuse: str, send: Callable[[], Awaitable[httpx.Response]]) -> None:
         while self.phase.is_open:
@@ -173,7 +179,7 @@ class Neighbour:
                 self.phase.note(abuse, type(exc).__name__)
                 await asyncio.sleep(0.1)
 
-    async def large_batch(self) -> None:
+    async def large_batch(self) -> None:  # the abuses, named as in ABUSES
         rng = random.Random("neighbour/batch")
         items = [batch_request(self.tenant, rng, BATCH_API) for _ in range(self.phase.config.neighbour_batch_items)]
         records = [RequestRecord(self.tenant.tenant_id, BATCH_API, self.phase.now()) for _ in items]

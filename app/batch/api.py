@@ -9,6 +9,7 @@ from starlette.routing import Route
 from app.batch.routes import BatchRoutes
 from app.batch.runner import BatchRunner
 from app.batch.store import BatchStore, FileQuota
+from app.plumbing.byte_rate import ByteRate
 from app.serving.admission import AdmissionGate
 from app.serving.items import ItemExecutor
 from config.settings import Settings
@@ -30,7 +31,8 @@ class BatchAPI:
                              is_tenant=gate.tenants.is_listed)
         quota = FileQuota(settings.tenant_max_files, settings.tenant_max_file_bytes)
         routes = BatchRoutes(gate, store, runner, model_name=model_name, max_upload_bytes=settings.max_upload_bytes,
-                             window_seconds=settings.batch_window_s, default_quota=quota).routes()
+                             window_seconds=settings.batch_window_s, default_quota=quota,
+                             byte_rate=ByteRate(settings.tenant_file_bytes_per_s)).routes()
         return cls(store, runner, routes)
 
     async def stop(self) -> None:

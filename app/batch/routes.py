@@ -20,6 +20,7 @@ from app.batch.service import ACTIVE_STATUSES, CANCELLABLE_STATUSES, fail_valida
 from app.batch.store import BatchStore, FileQuota, StoredFile
 from app.batch.uploads import parse_upload_form, storage_errors
 from app.plumbing.asgi import read_body
+from app.plumbing.byte_rate import ByteRate
 from app.plumbing.errors import APIError, from_validation_error, json_response
 from app.serving.admission import AdmissionGate
 from scheduling.request import PriorityClass
@@ -40,8 +41,9 @@ class CreateBatchBody(BaseModel):
 
 class BatchRoutes:
     def __init__(self, gate: AdmissionGate, store: BatchStore, runner: BatchRunner, *, model_name: str,
-                 max_upload_bytes: int, window_seconds: int, default_quota: FileQuota) -> None:
+                 max_upload_bytes: int, window_seconds: int, default_quota: FileQuota, byte_rate: ByteRate) -> None:
         self.gate = gate
+        self.byte_rate = byte_rate  # each tenant's file transfers, shaped
         self.default_quota = default_quota  # for tenants whose entry sets no max_files / max_file_bytes
         self._reading_input = asyncio.Lock()
         self.store = store
@@ -67,7 +69,8 @@ class BatchRoutes:
 
     async def upload_file(self, request: Request) -> Response:
         tenant = self.gate.authenticate(request)
-        form = await parse_upload_form(request, self.max_upload_bytes)
+        form = await parse_upload_form(request, self.max_upload_bytes,
+                                       lambda chunks: self.byte_rate.shaped(tenant.tenant_id, chunks))
         try:
             upload, purpose = form.get("file"), form.get("purpose")
             if not isinstance(upload, UploadFile):
@@ -104,7 +107,7 @@ class BatchRoutes:
         chunks = await self.store.file_chunks(tenant.tenant_id, file_id)
         if chunks is None:
             raise _no_such("file", file_id)
-        return StreamingResponse(chunks, media_type="application/jsonl")
+        return StreamingResponse(self.byte_rate.shaped(tenant.tenant_id, chunks), media_type="application/jsonl")
 
     def _quota_of(self, tenant: Tenant) -> FileQuota:
         limits = tenant.limits

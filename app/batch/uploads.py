@@ -5,7 +5,7 @@ full answers 507 in OpenAI's error shape, not a bare 500.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
 from contextlib import contextmanager
 
 from starlette.datastructures import FormData
@@ -19,11 +19,15 @@ from app.plumbing.errors import APIError
 MAX_FIELD_BYTES = 64 * 1024  # the form's text fields ('purpose'); the file part has the upload limit
 
 
-async def parse_upload_form(request: Request, max_bytes: int) -> FormData:
-    """The multipart form, its file spooled to disk past 1 MiB; 413 as soon as the body passes max_bytes."""
+async def parse_upload_form(request: Request, max_bytes: int,
+                            shape: Callable[[AsyncIterator[bytes]], AsyncGenerator[bytes, None]] | None = None
+                            ) -> FormData:
+    """The multipart form, its file spooled to disk past 1 MiB; 413 as soon as the body passes max_bytes.
+    `shape` paces the body's chunks (the tenant's byte rate)."""
     if not request.headers.get("content-type", "").startswith("multipart/form-data"):
         raise APIError(400, "Upload files as multipart/form-data with 'file' and 'purpose' parts.")
-    parser = MultiPartParser(request.headers, bounded_body(request, max_bytes), max_files=1, max_fields=8,
+    body = bounded_body(request, max_bytes)
+    parser = MultiPartParser(request.headers, body if shape is None else shape(body), max_files=1, max_fields=8,
                              max_part_size=MAX_FIELD_BYTES)
     try:
         with storage_errors("the upload"):

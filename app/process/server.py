@@ -72,6 +72,7 @@ def create_app(context: ServingContext) -> ASGIApp:
             await responses.stop()
             await batches.stop()
             await context.engine.shutdown(SHUTTING_DOWN)
+            context.off_loop.close()
             if tracer is not None:  # the last spans leave over the network: off the event loop
                 await anyio.to_thread.run_sync(tracer.shutdown)
 

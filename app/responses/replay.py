@@ -73,7 +73,8 @@ class EventLog:
 
     async def frames_after(self, starting_after: int | None) -> AsyncGenerator[bytes, None]:
         """The frames whose sequence number is greater than `starting_after` (every frame if None):
-        the kept ones at once, then each new one as it comes, until the log ends."""
+        the kept ones at once, then the new ones as they come, until the log ends; the frames at hand
+        at each moment joined into one piece."""
         position = 0 if starting_after is None else starting_after + 1
         while True:
             if position < self.first:
@@ -82,8 +83,8 @@ class EventLog:
             # Read the frames, the end and the wake-up together (no await in between): whatever is
             # appended while the frames are sent has set `changed`, so it is never missed.
             frames, is_ended, changed = self.frames[position - self.first:], self.is_ended, self._changed
-            for frame in frames:
-                yield frame
+            if frames:  # as one piece: a replay of hundreds of kept frames is one send, not hundreds
+                yield b"".join(frames)
             position += len(frames)
             if is_ended:
                 return

@@ -1,43 +1,71 @@
-"""CPU-heavy work before the engine, off the event loop that serves every tenant's streams.
+"""CPU-heavy work before the engine, off the event loop that serves every tenant's streams, and
+behind the engine for the CPU.
 
 Parsing a 4 MiB body, rendering a conversation of thousands of turns through the chat template or
 tokenizing a long text holds the interpreter for a second or more. On the event loop, every other
 tenant's stream would stop for that long between two chunks; in a worker thread the loop keeps its
-turn (the interpreter switches threads every few milliseconds). Each tenant has a few such jobs at a
-time: one tenant's storm of heavy bodies waits behind itself and leaves the threads to the others.
-Small work stays on the loop, where a thread hop would cost more than the work.
+turn (the interpreter switches threads every few milliseconds). Small work stays on the loop, where
+a thread hop would cost more than the work.
+
+The worker threads are this module's own, at a low CPU priority (nice 10): on a machine whose cores
+the model's forward keeps busy, a storm of heavy requests gets about a tenth of what the forward gets,
+instead of halving every stream's speed. Each tenant has one job in them at a time, the others waiting in its
+queue, so that the threads go round the tenants: one tenant's storm waits behind itself.
 """
 
 from __future__ import annotations
 
+import asyncio
+import functools
+import logging
+import os
+import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar, TypeVarTuple
 
-import anyio
-import anyio.to_thread
-
+logger = logging.getLogger(__name__)
 R = TypeVar("R")
 Ts = TypeVarTuple("Ts")
 
 THREAD_BODY_BYTES = 64 * 1024  # a body this large is parsed and validated in a worker thread
 THREAD_ITEMS = 256  # a conversation of more messages or items than this is prepared in a worker thread
 THREAD_TOKENIZE_CHARS = 16_384  # text this long is tokenized in a worker thread
-THREADS_PER_TENANT = 2
+# nice 10: about a tenth of the CPU time of a normal-priority thread wanting the same core. Not 19 (about
+# 1.5%), under which a busy engine would starve any tenant's long prompt for seconds.
+PREPARE_NICE = 10
+
+
+def default_num_threads() -> int:
+    return max(2, (os.cpu_count() or 2) // 2)
 
 
 class OffLoop:
-    def __init__(self, threads_per_tenant: int = THREADS_PER_TENANT) -> None:
-        self.threads_per_tenant = threads_per_tenant
-        self._limiters: dict[str, anyio.CapacityLimiter] = {}
+    def __init__(self, num_threads: int | None = None) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=num_threads or default_num_threads(),
+                                        thread_name_prefix="fairlane-prepare", initializer=_at_low_priority)
+        self._turns: dict[str, asyncio.Semaphore] = {}  # each tenant's one job at a time
 
     async def run_if(self, is_heavy: bool, tenant_id: str, work: Callable[[*Ts], R], *args: *Ts) -> R:
-        """work(*args): in one of the tenant's worker threads when heavy, else here on the loop."""
+        """work(*args): in a worker thread, in the tenant's turn, when heavy; else here on the loop."""
         if not is_heavy:
             return work(*args)
-        return await anyio.to_thread.run_sync(work, *args, limiter=self._limiter(tenant_id))
+        async with self._turn(tenant_id):
+            return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(work, *args))
 
-    def _limiter(self, tenant_id: str) -> anyio.CapacityLimiter:
-        limiter = self._limiters.get(tenant_id)
-        if limiter is None:
-            limiter = self._limiters[tenant_id] = anyio.CapacityLimiter(self.threads_per_tenant)
-        return limiter
+    def _turn(self, tenant_id: str) -> asyncio.Semaphore:
+        turn = self._turns.get(tenant_id)
+        if turn is None:
+            turn = self._turns[tenant_id] = asyncio.Semaphore(1)
+        return turn
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _at_low_priority() -> None:
+    """Lower this thread's CPU priority (Linux threads each have their own nice value)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), PREPARE_NICE)
+    except (AttributeError, OSError) as exc:  # not Linux, or not allowed: the work runs at normal priority
+        logger.debug("worker threads keep their priority: %s", exc)

@@ -12,6 +12,8 @@ collection of the test process's heap, which is not the server's, would be most 
 from __future__ import annotations
 
 import asyncio
+import os
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -19,6 +21,7 @@ from typing import Any
 import httpx
 import pytest
 
+from app.serving.off_loop import PREPARE_NICE, OffLoop
 from scheduling.gc_pacing import paced_collection
 from tests.app.conftest import ServerThread, instant_context
 
@@ -103,3 +106,27 @@ def test_truncation_finds_what_fits_in_a_few_renders(server: ServerThread, monke
     # The fewest turns were dropped: one more turn (a question and its answer, ~30 tokens) would not fit.
     assert usage["input_tokens"] + 4 > max_model_len - 40
     assert lag.worst_s < WORST_LOOP_LAG_S, f"the event loop stalled {lag.worst_s:.3f} s"
+
+
+def test_heavy_work_runs_at_a_low_priority_one_job_per_tenant_at_a_time() -> None:
+    """Behind the engine for the CPU; and a tenant's second heavy job waits for its first."""
+    off_loop = OffLoop(num_threads=2)
+    running: list[str] = []
+    most_at_once: dict[str, int] = {}
+
+    def job(tenant: str) -> int:
+        running.append(tenant)
+        most_at_once[tenant] = max(most_at_once.get(tenant, 0), running.count(tenant))
+        time.sleep(0.02)
+        running.remove(tenant)
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    async def storm() -> list[int]:
+        return await asyncio.gather(*(off_loop.run_if(True, tenant, job, tenant) for tenant in ["a"] * 4 + ["b"]))
+
+    try:
+        niceness = asyncio.run(storm())
+    finally:
+        off_loop.close()
+    assert set(niceness) == {PREPARE_NICE}
+    assert most_at_once == {"a": 1, "b": 1}

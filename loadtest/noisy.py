@@ -57,6 +57,7 @@ class NoisyConfig:
     max_ratio: float = 1.3
     seed: int = 0
     abuses: tuple[str, ...] = ()  # the neighbour's abuses by name (ABUSES); empty: all of them
+    warmup_chats: int = 4
     request_timeout_s: float = 300.0
 
     def check(self) -> None:
@@ -136,8 +137,17 @@ async def run_noisy(config: NoisyConfig) -> NoisyResult:
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
     async with httpx.AsyncClient(base_url=config.url, timeout=timeout, limits=limits) as http:
         model = await served_model(http, config.light)
+        await _warm_up(config, http, model)
         phases = [await _run_phase(config, http, model, ALONE), await _run_phase(config, http, model, NEIGHBOUR)]
     return NoisyResult(config, model, phases)
+
+
+async def _warm_up(config: NoisyConfig, http: httpx.AsyncClient, model: str) -> None:
+    """A few of the light tenant's chats, not counted: the first phase is not to pay for a cold server."""
+    rng = random.Random(f"{config.seed}/warm-up")
+    for _ in range(config.warmup_chats):
+        record = RequestRecord(config.light.tenant_id, "warm-up", 0.0)
+        await send_chat(http, model, chat_request(config.light, rng), record, time.perf_counter)
 
 
 async def _run_phase(config: NoisyConfig, http: httpx.AsyncClient, model: str, name: str) -> PhaseResult:

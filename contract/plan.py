@@ -64,11 +64,6 @@ class SamplingParams:
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
                 or self.min_tokens > 0)
 
-    @property
-    def changes_logits(self) -> bool:
-        """Whether anything besides temperature, top-k and top-p reshapes this row's logits."""
-        return self.needs_history or bool(self.logit_bias) or self.min_p > 0.0
-
 
 BASE_MODEL_SLOT = -1  # a sequence of the base model: no LoRA adapter
 

@@ -86,10 +86,6 @@ class PagedKVCache:
         dims = (shape.num_layers, 2, num_blocks, shape.num_kv_heads, shape.block_size, shape.head_dim)
         return zeroed_pool(dims, shape.dtype, device, pinned)  # head-major blocks: see gpu.attention
 
-    def layer_blocks(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of one layer as `[num_blocks, kv_heads, block_size, head_dim]` views."""
-        return self.device_pool[layer, 0], self.device_pool[layer, 1]
-
     def host_block(self, block: int) -> torch.Tensor:
         """One block of the host tier, all layers: a `[layers, 2, kv_heads, block_size, head_dim]` view."""
         return self.host_pool[:, :, block]

@@ -400,7 +400,8 @@ class Scheduler:
             if num_new <= 0:
                 return False
             pairs = self.blocks.swap_in(request)
-            assert pairs is not None and self.blocks.allocate(request, num_new)
+            if pairs is None or not self.blocks.allocate(request, num_new):  # not in an assert: python -O drops those
+                raise RuntimeError(f"{request.request_id}: swap-in refused after can_swap_in allowed it")
             step.plan.swap_in.extend(pairs)
             self.counters.blocks_swapped_in += len(pairs)
             self.swapped.remove(request)

@@ -16,7 +16,7 @@ import openai
 import pytest
 
 from tests.app.conftest import ServerThread, instant_context, stepped_server, wait_for
-from tests.app.test_shutdown import ServedProcess
+from tests.app.served_process import ServedProcess
 from tests.tenants_files import tenants_toml
 
 KEYS = {"alice": "fl-alice-batch", "bob": "fl-bob-batch", "carol": "fl-carol-batch", "dave": "fl-dave-batch"}

@@ -25,6 +25,7 @@ from app.batch import store as store_module
 from app.batch.database import DatabaseUnusable
 from app.batch.store import BatchStore
 from tests.app.conftest import ServerThread, instant_context
+from tests.app.served_process import FAIRLANE
 from tests.app.test_batch_api import (
     client_for,
     item,
@@ -33,7 +34,6 @@ from tests.app.test_batch_api import (
     upload,
     wait_for_status,
 )
-from tests.app.test_shutdown import FAIRLANE
 
 __all__ = ["tenants_file"]  # a fixture, imported to be used here
 

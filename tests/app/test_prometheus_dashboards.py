@@ -30,7 +30,7 @@ import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
 from tests.app.conftest import wait_for
-from tests.app.test_shutdown import ServedProcess
+from tests.app.served_process import ServedProcess
 from tests.tenants_files import tenants_toml
 
 pytestmark = pytest.mark.slow

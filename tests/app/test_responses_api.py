@@ -24,8 +24,8 @@ from openai.types.responses import FunctionToolParam, Response, ResponseFunction
 from benchmarks.fake_executors import script_text
 from scheduling.request import PriorityClass
 from tests.app.conftest import ServerThread, instant_context, stepped_server, wait_for
+from tests.app.served_process import ServedProcess
 from tests.app.test_disconnect import read_until, wait_for_abort
-from tests.app.test_shutdown import ServedProcess
 
 SCRIPT = "Hello from fairlane."
 CALL_TEXT = 'Let me look.\n<tool_call>\n{"name": "weather", "arguments": {"city": "Paris"}}\n</tool_call>'

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from tests.app.conftest import wait_for
-from tests.app.test_shutdown import ServedProcess
+from tests.app.served_process import ServedProcess
 
 pytestmark = pytest.mark.slow
 

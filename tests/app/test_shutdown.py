@@ -4,14 +4,11 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import subprocess
-import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
-from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -19,11 +16,9 @@ import pytest
 
 from app.process.server import CLOSE_TIMEOUT_S
 from tests.app.conftest import ServerThread, SteppedExecutor, stepped_server, wait_for
+from tests.app.served_process import ServedProcess
 from tests.app.sse import DONE, finish_reasons, sse_frames, sse_payloads
 
-FAIRLANE = Path(sys.executable).with_name("fairlane")
-# uvicorn's start-up line: with --port 0 it names the port the server bound.
-STARTED_LINE = re.compile(r"Uvicorn running on (http://127\.0\.0\.1:\d+)")
 SHUTTING_DOWN_CODE = "server_shutting_down"
 
 
@@ -143,42 +138,6 @@ def test_streams_past_the_grace_period_end_with_an_error_event() -> None:
     assert '"error"' in frames[-2] and "shutting down" in frames[-2]
 
 
-class ServedProcess:
-    """`fairlane serve --model builtin:tiny --port 0` as a real process. The server binds a free port
-    itself (a number picked here could be taken before it binds) and uvicorn's start-up line on
-    stderr says which; a thread keeps reading stderr so that the pipe never fills."""
-
-    def __init__(self, env: dict[str, str], args: Sequence[str] = ()) -> None:
-        self.process = subprocess.Popen([str(FAIRLANE), "serve", "--model", "builtin:tiny", "--port", "0", *args],
-                                        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        self.log: list[str] = []
-        self.base_url = ""
-        self._log_reader = threading.Thread(target=self._read_log, name="serve-log", daemon=True)
-        self._log_reader.start()
-
-    def _read_log(self) -> None:
-        assert self.process.stderr is not None
-        with self.process.stderr:
-            for line in self.process.stderr:
-                self.log.append(line)
-                if not self.base_url and (started := STARTED_LINE.search(line)):
-                    self.base_url = started[1]
-
-    def wait_ready(self) -> ServedProcess:
-        wait_for(lambda: (self.base_url != "" and is_ready(self.base_url)) or self.process.poll() is not None,
-                 timeout=60, interval=0.1, what="the server to start")
-        if self.process.poll() is not None:
-            self._log_reader.join(timeout=10)
-        assert self.process.poll() is None, "".join(self.log)
-        return self
-
-    def kill(self) -> None:
-        if self.process.poll() is None:
-            self.process.kill()
-        self.process.wait(timeout=30)
-        self._log_reader.join(timeout=10)
-
-
 SERVED_GRACE_S = 3
 
 
@@ -193,13 +152,6 @@ def served_process() -> Iterator[tuple[subprocess.Popen[str], str]]:
         yield served.process, served.base_url
     finally:
         served.kill()
-
-
-def is_ready(base_url: str) -> bool:
-    try:
-        return httpx.get(f"{base_url}/health", timeout=1).status_code == 200
-    except httpx.TransportError:
-        return False
 
 
 def assert_finished_or_ended_by_shutdown(body: bytes) -> None:

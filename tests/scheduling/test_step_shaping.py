@@ -170,8 +170,9 @@ def test_predicted_step_time_stays_within_the_derived_target_while_interactive_i
 def test_a_fixed_target_bounds_every_step_that_batch_work_shares() -> None:
     target_s = 0.040
     records = shaped_steps(Simulation(ShapingConfig(interactive_itl_target_s=target_s)))
-    for _, total, alone, batch in records:
-        assert total <= max(target_s, alone) * (1 + 1e-9) or batch == 0
+    for _, total, alone, _ in records:
+        assert total <= max(target_s, alone) * (1 + 1e-9)
+    assert sum(batch for *_, batch in records) > 0  # held to the target, not starved
 
 
 def test_batch_keeps_its_floor_under_shaping() -> None:

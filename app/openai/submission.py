@@ -143,11 +143,27 @@ class ChoiceStarter:
         requests = self._engine_requests(completion_id, body, prompts, tenant, priority, cache_pin)
         self.context.gate.check_class(tenant, priority)
         headers = self._admit_all(tenant, requests)
-        choices = self._submit_all(requests, body, prompt_param)
-        tool_streams = [ToolStream(body) for _ in requests] \
-            if isinstance(body, ChatCompletionBody) and uses_tools(body) else None
-        return Generations(choices, headers, self._echoed_prefixes(body, prompts), tool_streams,
-                           self._pinnable_tokens(cache_pin, prompts))
+        try:
+            choices = self._submit_all(requests, body, prompt_param)
+        except BaseException:
+            self._release_all(requests)
+            raise
+        try:
+            tool_streams = [ToolStream(body) for _ in requests] \
+                if isinstance(body, ChatCompletionBody) and uses_tools(body) else None
+            return Generations(choices, headers, self._echoed_prefixes(body, prompts), tool_streams,
+                               self._pinnable_tokens(cache_pin, prompts))
+        except BaseException:
+            for generation in choices.generations:  # the engine requests end; the deferred ones never start
+                generation.close()
+            self._release_all(requests)
+            raise
+
+    def _release_all(self, requests: list[EngineRequest]) -> None:
+        """Whatever failed between the gate and the engine, no quota stays taken (releasing twice is a
+        no-op: the gate holds each admission by request id once)."""
+        for engine_request in requests:
+            self.context.gate.cancel(engine_request.request_id)
 
     def _pinnable_tokens(self, cache_pin: CachePin, prompts: list[list[int]]) -> int:
         """What the prefix cache can keep of the breakpoint: whole blocks, short of the last prompt token's
@@ -196,9 +212,8 @@ class ChoiceStarter:
             for engine_request in requests:
                 headers = dict(self.context.gate.admit(tenant, engine_request).headers)
                 admitted.append(engine_request)
-        except APIError:
-            for engine_request in admitted:
-                self.context.gate.cancel(engine_request.request_id)
+        except BaseException:
+            self._release_all(admitted)
             raise
         return headers
 
@@ -216,11 +231,10 @@ class ChoiceStarter:
                     stream = self._deferred(engine_request, body, prompt_param, generations[index - index % per_prompt])
                 generations.append(TextGeneration(stream, self.context.tokenizer, body.stop_strings,
                                                   coalesce=self.context.settings.stream_coalesce))
-        except APIError:
+        except BaseException:
             for generation in generations:
                 generation.close()
-            for engine_request in requests[len(generations) + 1:]:
-                self.context.gate.cancel(engine_request.request_id)
+            self._release_all(requests[len(generations):])
             raise
         return ChoiceSet(generations, list(range(0, len(requests), per_prompt)))
 

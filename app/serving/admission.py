@@ -100,6 +100,11 @@ class AdmissionGate:
         except QuotaExceeded as exc:
             raise _api_error(exc) from None
 
+    @property
+    def num_held(self) -> int:
+        """Admissions whose quota is taken: requests between the gate and their end."""
+        return len(self._held)
+
     def cancel(self, request_id: RequestId) -> None:
         """The engine refused the request after the gate let it in: give the quota back unused."""
         admission = self._held.pop(request_id, None)

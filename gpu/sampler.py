@@ -38,13 +38,6 @@ class Sampler:
         for request_id in request_ids:
             self._per_request.pop(request_id, None)
 
-    def sample(self, logits: torch.Tensor, params: list[SamplingParams], request_ids: list[str]) -> list[int]:
-        """logits: [rows, vocab] float32, one row per request, in the order of params. Without
-        histories: every row is treated as having no output yet and no prompt to penalize."""
-        empty: list[History] = [()] * len(params)
-        processed = process_logits(logits, params, empty, empty)
-        return [int(t) for t in self._choose(processed, params, request_ids).tolist()]
-
     def sample_step(self, logits: torch.Tensor, sequences: Sequence[ScheduledSequence],
                     masks: TokenMasks | None = None) -> tuple[list[int], dict[str, TokenLogprobs]]:
         """logits: [rows, vocab] float32, one row per sequence (each needs a sample), in order;

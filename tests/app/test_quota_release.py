@@ -5,13 +5,13 @@ slot admits the next request."""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
 from app.openai import submission
+from app.serving.generation import TextGeneration
 from tests.app.conftest import ServerThread, instant_context, wait_for
 from tests.tenants_files import tenants_toml
 
@@ -55,7 +55,7 @@ def test_a_failure_at_any_point_after_the_gate_gives_the_quota_back(server: Serv
         monkeypatch.setattr(server.context.engine, "submit", _raise)
     elif target == "the second choice's generation":
         made: list[object] = []
-        real = submission.TextGeneration
+        real = TextGeneration
 
         def second_fails(*args: Any, **kwargs: Any) -> Any:
             if made:

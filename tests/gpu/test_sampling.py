@@ -66,10 +66,17 @@ async def test_seeded_sampling_is_independent_of_the_batch(tiny_model: LoadedMod
     assert alone != hf_greedy(tiny_reference, PROMPT, MAX_TOKENS)
 
 
+def sample(sampler: Sampler, logits: torch.Tensor, params: list[SamplingParams], request_ids: list[str]) -> list[int]:
+    """One token per row, as the step samples them: rows with no prompt or output to penalize."""
+    sequences = [make_sequence(row_params, request_id=request_id)
+                 for row_params, request_id in zip(params, request_ids, strict=True)]
+    return sampler.sample_step(logits, sequences)[0]
+
+
 def test_greedy_rows_take_the_argmax() -> None:
     logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
     sampler = Sampler(torch.device("cpu"))
-    chosen = sampler.sample(logits, [SamplingParams()] * 3, ["a", "b", "c"])
+    chosen = sample(sampler, logits, [SamplingParams()] * 3, ["a", "b", "c"])
     assert chosen == [int(t) for t in torch.argmax(logits, dim=-1)]
 
 
@@ -77,7 +84,7 @@ def test_top_k_one_is_greedy_even_when_hot() -> None:
     logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(1))
     sampler = Sampler(torch.device("cpu"))
     params = [SamplingParams(temperature=5.0, top_k=1)] * 4
-    chosen = sampler.sample(logits, params, ["a", "b", "c", "d"])
+    chosen = sample(sampler, logits, params, ["a", "b", "c", "d"])
     assert chosen == [int(t) for t in torch.argmax(logits, dim=-1)]
 
 
@@ -86,7 +93,7 @@ def test_top_p_keeps_only_the_nucleus() -> None:
     logits = torch.full((1, 10), 0.0)
     logits[0, 3] = 4.0
     sampler = Sampler(torch.device("cpu"))
-    draws = [sampler.sample(logits, [SamplingParams(temperature=1.0, top_p=0.5)], ["r"])[0] for _ in range(50)]
+    draws = [sample(sampler, logits, [SamplingParams(temperature=1.0, top_p=0.5)], ["r"])[0] for _ in range(50)]
     assert set(draws) == {3}
 
 
@@ -94,11 +101,11 @@ def test_seeded_generator_restarts_after_forget() -> None:
     logits = torch.zeros(1, 64)  # uniform: every draw depends on the generator alone
     params = [SamplingParams(temperature=1.0, seed=42)]
     sampler = Sampler(torch.device("cpu"))
-    first = [sampler.sample(logits, params, ["r"])[0] for _ in range(8)]
+    first = [sample(sampler, logits, params, ["r"])[0] for _ in range(8)]
     sampler.forget(["r"])
-    again = [sampler.sample(logits, params, ["r"])[0] for _ in range(8)]
+    again = [sample(sampler, logits, params, ["r"])[0] for _ in range(8)]
     other = Sampler(torch.device("cpu"), seed=999)
-    elsewhere = [other.sample(logits, params, ["x"])[0] for _ in range(8)]
+    elsewhere = [sample(other, logits, params, ["x"])[0] for _ in range(8)]
     assert first == again == elsewhere
     assert len(set(first)) > 1
 
@@ -286,10 +293,10 @@ def test_seeded_rows_stay_reproducible_among_penalized_rows() -> None:
     assert len(set(first)) > 1
 
 
-def test_legacy_sample_applies_the_bias() -> None:
+def test_sampling_applies_the_bias() -> None:
     logits = random_logits(2, 10)
     params = [SamplingParams(logit_bias=((21, 100.0),)), SamplingParams(temperature=1.0, logit_bias=((22, 100.0),))]
-    assert Sampler(CPU).sample(logits, params, ["a", "b"]) == [21, 22]
+    assert sample(Sampler(CPU), logits, params, ["a", "b"]) == [21, 22]
 
 
 async def test_repetition_penalty_matches_hf_generate(tiny_model: LoadedModel, tiny_reference: Any) -> None:

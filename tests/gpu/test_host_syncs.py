@@ -1,10 +1,13 @@
-"""The runner's host syncs per step, counted on the CPU against a budget.
+"""The runner's host syncs and host-to-device copies per step, counted on the CPU against a budget.
 
 On a GPU every read of a device value on the host (`.item()`, `.tolist()`, `int(t)`, a boolean mask,
 `nonzero`, a copy to the CPU) waits for the queued kernels: a step that makes several stalls the
 device between them. On the CPU nothing waits, but the same calls are made, so a torch function mode
 counts them over whole steps. The budget is today's count: a change that adds a sync fails here and
-has to say why it needs one (or lower the budget when it removes one)."""
+has to say why it needs one (or lower the budget when it removes one). The same holds for the copies
+from host to device (`torch.tensor(data, device=...)`, `.to(device)`): on a GPU each is a transfer
+the step waits on before its kernels can read it, so they are counted per step too: a fixed number,
+whatever the number of sequences."""
 
 from __future__ import annotations
 
@@ -42,6 +45,25 @@ class HostReads(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
+class HostToDevice(TorchFunctionMode):
+    """Counts the calls that would copy host data to the device: tensors made from Python data or host
+    tensors with a device given, and `.to(device)`. Allocations on the device (`empty`, `arange`) copy
+    nothing and are not counted."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: Counter[str] = Counter()
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func in (torch.tensor, torch.as_tensor) and kwargs.get("device") is not None:
+            self.counts[func.__name__] += 1
+        elif func is torch.Tensor.to and ("device" in kwargs or any(isinstance(a, torch.device | str)
+                                                                     for a in args[1:])):
+            self.counts["to"] += 1
+        return func(*args, **kwargs)
+
+
 def _has_mask(args: tuple[Any, ...]) -> bool:
     index = args[1] if len(args) > 1 else None
     indices = index if isinstance(index, tuple) else (index,)
@@ -60,11 +82,19 @@ def prompt_chunk(name: str, start: int, length: int, first_block: int) -> Schedu
 
 
 def reads_in_step(runner: ModelRunner, sequences: list[ScheduledSequence]) -> Counter[str]:
+    return counted_in_step(runner, sequences, HostReads())
+
+
+def copies_in_step(runner: ModelRunner, sequences: list[ScheduledSequence]) -> Counter[str]:
+    return counted_in_step(runner, sequences, HostToDevice())
+
+
+def counted_in_step(runner: ModelRunner, sequences: list[ScheduledSequence], mode: HostReads | HostToDevice
+                    ) -> Counter[str]:
     runner.execute(StepPlan(sequences))  # warm: first calls may initialize lazily
-    reads = HostReads()
-    with reads:
+    with mode:
         runner.execute(StepPlan(sequences))
-    return reads.counts
+    return mode.counts
 
 
 @pytest.fixture(scope="module")
@@ -84,3 +114,13 @@ def test_a_mixed_step_with_sampling_stays_within_its_budget(runner: ModelRunner)
     # the sampled tokens, and the prefill layout (a CPU tensor by design: no wait on a GPU) read as
     # numbers by the attention of each layer
     assert sum(reads.values()) <= 1 + runner.model.config.num_hidden_layers, reads
+
+
+
+def test_a_step_copies_to_the_device_a_fixed_number_of_times(runner: ModelRunner) -> None:
+    """The step's metadata (positions, slots, block tables, lengths, sampling) goes up in 7 copies
+    whether 1 or 32 sequences decode; a mixed step with prompt chunks in 10 (today's counts)."""
+    assert sum(copies_in_step(runner, decodes(1)).values()) == 7
+    assert copies_in_step(runner, decodes(32)) == copies_in_step(runner, decodes(1))
+    mixed = [*decodes(3), prompt_chunk("fresh", 0, 13, 100), prompt_chunk("cached", 16, 5, 120)]
+    assert sum(copies_in_step(runner, mixed).values()) <= 10

@@ -17,9 +17,9 @@ from pydantic import ValidationError
 from starlette.requests import Request
 from starlette.responses import Response
 
-from app.openai.schemas import FieldRefused
 from app.plumbing.asgi import ClientGone
 from app.plumbing.errors import SERVER_ERROR, APIError, deepest_problem, json_response
+from app.serving.schemas import FieldRefused
 
 logger = logging.getLogger(__name__)
 

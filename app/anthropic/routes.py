@@ -30,15 +30,14 @@ from app.anthropic.errors import (
 from app.anthropic.objects import PING_EVENT, MessageEvents, MessageHead, error_event
 from app.anthropic.schemas import MessagesBody, MessagesInput
 from app.anthropic.translation import chat_body, stop_reason, tool_input, tool_use_blocks
-from app.openai.routes import CLIENT_CLOSED_STATUS
-from app.openai.schemas import ChatCompletionBody, FieldRefused, NamedToolChoice
-from app.openai.submission import ChoiceStarter, Generations, shutting_down
-from app.openai.tools import ToolCall, ToolStream, parse_output, uses_tools
-from app.plumbing.asgi import ClientGone, EventStreamResponse, read_body, unless_disconnected
+from app.plumbing.asgi import CLIENT_CLOSED_STATUS, ClientGone, EventStreamResponse, read_body, unless_disconnected
 from app.plumbing.errors import json_response
 from app.serving.context import ServingContext
 from app.serving.generation import GenerationFailed, TextPiece
 from app.serving.off_loop import THREAD_BODY_BYTES, THREAD_ITEMS
+from app.serving.schemas import ChatCompletionBody, FieldRefused, NamedToolChoice
+from app.serving.submission import ChoiceStarter, Generations, shutting_down
+from app.serving.tools import ToolCall, ToolStream, parse_output, uses_tools
 from scheduling.request import PriorityClass
 from tenancy.tenants import Tenant
 

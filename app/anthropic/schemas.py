@@ -1,6 +1,6 @@
 """The Messages API request bodies this server accepts, validated by pydantic.
 
-Strict as the OpenAI bodies are (`app/openai/schemas.py`): a wrong type or a field this server does
+Strict as the OpenAI bodies are (`app/serving/schemas.py`): a wrong type or a field this server does
 not know is a 400 that names the field. Content blocks a text-only model cannot take (images,
 documents, thinking...) are known by their type, so that the 400 says which block and why, rather
 than that no such block exists. `check_fields` refuses what is well-formed but cannot be honoured.
@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from app.openai.schemas import (
+from app.serving.schemas import (
     MAX_CACHE_BREAKPOINTS,
     MAX_STOP_STRINGS,
     CacheControl,

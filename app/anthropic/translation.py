@@ -33,8 +33,8 @@ from app.anthropic.schemas import (
     ToolResultBlock,
     ToolUseBlock,
 )
-from app.openai.schemas import CacheControl, ChatCompletionBody
-from app.openai.tools import ToolCall
+from app.serving.schemas import CacheControl, ChatCompletionBody
+from app.serving.tools import ToolCall
 
 OPENAI_CALL_PREFIX = "call_"
 TOOL_USE_PREFIX = "toolu_"

@@ -20,6 +20,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from app.observability.process_stats import process_stats
+from app.openai.answers import best_choices, with_tool_calls
 from app.openai.lora_routes import LoraRoutes, adapter_card
 from app.openai.objects import (
     DONE_EVENT,
@@ -35,9 +36,15 @@ from app.openai.objects import (
     sse_error_event,
     text_completion,
 )
-from app.openai.sampling import best_choices
-from app.openai.schemas import ChatCompletionBody, CompletionBody, FieldRefused, GenerationBody
-from app.openai.submission import (
+from app.plumbing.asgi import CLIENT_CLOSED_STATUS, ClientGone, EventStreamResponse, read_body, unless_disconnected
+from app.plumbing.errors import APIError, from_validation_error, json_response
+from app.serving.adapters import adapter_of
+from app.serving.context import ServingContext
+from app.serving.generation import GenerationFailed, TextPiece
+from app.serving.items import RetryLater
+from app.serving.off_loop import THREAD_BODY_BYTES, THREAD_ITEMS, THREAD_TOKENIZE_CHARS
+from app.serving.schemas import ChatCompletionBody, CompletionBody, FieldRefused, GenerationBody
+from app.serving.submission import (
     NO_PIN,
     RETRY_AFTER_S,
     CachePin,
@@ -45,26 +52,12 @@ from app.openai.submission import (
     Generations,
     shutting_down,
 )
-from app.openai.tools import (
-    ToolStream,
-    tool_finish_reason,
-    uses_tools,
-    with_tool_calls,
-)
-from app.plumbing.asgi import ClientGone, EventStreamResponse, read_body, unless_disconnected
-from app.plumbing.errors import APIError, from_validation_error, json_response
-from app.serving.adapters import adapter_of
-from app.serving.context import ServingContext
-from app.serving.generation import GenerationFailed, TextPiece
-from app.serving.items import RetryLater
-from app.serving.off_loop import THREAD_BODY_BYTES, THREAD_ITEMS, THREAD_TOKENIZE_CHARS
+from app.serving.tools import ToolStream, tool_finish_reason, uses_tools
 from contract.plan import TokenLogprobs
 from scheduling.request import PriorityClass
 from tenancy.tenants import Tenant
 
 BodyT = TypeVar("BodyT", bound=GenerationBody)
-# What a client that disconnects is "answered" (it is never seen): nginx's "client closed request".
-CLIENT_CLOSED_STATUS = 499
 CHAT_PATH = "/v1/chat/completions"
 
 

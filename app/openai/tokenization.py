@@ -9,11 +9,11 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from app.openai.schemas import DetokenizeBody, TokenizeBody
 from app.plumbing.asgi import read_body
 from app.plumbing.errors import APIError, from_validation_error, json_response
 from app.serving.context import ServingContext
 from app.serving.off_loop import THREAD_BODY_BYTES, THREAD_TOKENIZE_CHARS
+from app.serving.schemas import DetokenizeBody, TokenizeBody
 from tenancy.tenants import Tenant
 
 BodyT = TypeVar("BodyT", bound=BaseModel)

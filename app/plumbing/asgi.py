@@ -20,6 +20,10 @@ REQUEST_ID_HEADER = b"x-request-id"
 _VALID_REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")
 
 
+# What a client that disconnects is "answered" (it is never seen): nginx's "client closed request".
+CLIENT_CLOSED_STATUS = 499
+
+
 class ClientGone(Exception):
     """The client closed its connection before the response was complete."""
 

@@ -27,16 +27,16 @@ from app.anthropic.errors import AnthropicError, anthropic_error_handler
 from app.anthropic.routes import AnthropicRoutes
 from app.batch.api import BatchAPI
 from app.observability.routes import Observability, metrics_options, trace_requests
-from app.openai.routes import CLIENT_CLOSED_STATUS, OpenAIRoutes
-from app.openai.submission import SHUTTING_DOWN
+from app.openai.routes import OpenAIRoutes
 from app.openai.tokenization import TokenizationRoutes
-from app.plumbing.asgi import ClientGone, RequestIdMiddleware
+from app.plumbing.asgi import CLIENT_CLOSED_STATUS, ClientGone, RequestIdMiddleware
 from app.plumbing.errors import APIError, api_error_handler, http_exception_handler, unexpected_error_handler
 from app.plumbing.http_limits import BodyTimeoutMiddleware, header_timeout_protocol, uvicorn_limit_concurrency
 from app.plumbing.private_dirs import prepare_data_dirs
 from app.process.flags import add_model_flags, settings_from_args
 from app.responses.api import ResponsesAPI
 from app.serving.context import ServingContext
+from app.serving.submission import SHUTTING_DOWN
 from config.settings import Settings
 from scheduling.gc_pacing import paced_collection
 

@@ -75,7 +75,7 @@ class ResponseEvents:
         return events
 
     def call_deltas(self, deltas: list[dict[str, Any]]) -> list[bytes]:
-        """Tool-call deltas in the chat shape (app/openai/tools.py's ToolStream): the first of a call
+        """Tool-call deltas in the chat shape (app/serving/tools.py's ToolStream): the first of a call
         carries its id and name, later ones more of its arguments."""
         events: list[bytes] = []
         for delta in deltas:

@@ -15,10 +15,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from app.openai.routes import CLIENT_CLOSED_STATUS
-from app.openai.schemas import FieldRefused
-from app.openai.submission import shutting_down
-from app.plumbing.asgi import ClientGone, EventStreamResponse, read_body, unless_disconnected
+from app.plumbing.asgi import CLIENT_CLOSED_STATUS, ClientGone, EventStreamResponse, read_body, unless_disconnected
 from app.plumbing.errors import APIError, deepest_problem, from_validation_error, json_response
 from app.responses.background import BackgroundResponses
 from app.responses.runs import ResponseRunner
@@ -27,6 +24,8 @@ from app.responses.store import ResponseStore, StoredResponse
 from app.serving.context import ServingContext
 from app.serving.generation import GenerationFailed
 from app.serving.off_loop import THREAD_BODY_BYTES
+from app.serving.schemas import FieldRefused
+from app.serving.submission import shutting_down
 from tenancy.tenants import Tenant
 
 MAX_LIST_LIMIT = 100

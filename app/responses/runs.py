@@ -15,9 +15,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from app.batch.uploads import storage_errors
-from app.openai.schemas import ChatCompletionBody
-from app.openai.submission import ChoiceStarter, Generations
-from app.openai.tools import ToolStream
 from app.plumbing.errors import APIError
 from app.responses.events import ResponseEvents
 from app.responses.objects import ResponseHead, finished
@@ -37,6 +34,9 @@ from app.responses.translate import (
 from app.serving.context import ServingContext
 from app.serving.generation import GenerationFailed, TextPiece
 from app.serving.off_loop import THREAD_ITEMS
+from app.serving.schemas import ChatCompletionBody
+from app.serving.submission import ChoiceStarter, Generations
+from app.serving.tools import ToolStream
 from scheduling.request import PriorityClass
 from tenancy.tenants import Tenant
 

@@ -1,6 +1,6 @@
 """The Responses API request body and its input items, validated by pydantic.
 
-Strict as the chat completions bodies are (app/openai/schemas.py): a field of the wrong type, or one
+Strict as the chat completions bodies are (app/serving/schemas.py): a field of the wrong type, or one
 this server does not know, is a 400 naming it. Every field of OpenAI's `POST /v1/responses` is known;
 one that asks for what a text model behind this server cannot do (built-in tools, reasoning effort,
 `include` items, prompt templates, conversations...) is a 400 that says so (`Unsupported`).
@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdapter, field_validator, model_validator
 
-from app.openai.schemas import MAX_SEED, FieldRefused, ServiceTier, StrictModel, Unsupported, refuse_unless_default
+from app.serving.schemas import MAX_SEED, FieldRefused, ServiceTier, StrictModel, Unsupported, refuse_unless_default
 
 MAX_METADATA_PAIRS = 16
 MAX_METADATA_KEY = 64

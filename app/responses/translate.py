@@ -13,8 +13,6 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from app.openai.schemas import ChatCompletionBody, FieldRefused
-from app.openai.tools import parse_output, uses_tools
 from app.plumbing.errors import APIError
 from app.responses.schemas import (
     INPUT_ITEMS,
@@ -25,6 +23,8 @@ from app.responses.schemas import (
     ResponsesBody,
 )
 from app.serving.generation import TextPiece
+from app.serving.schemas import ChatCompletionBody, FieldRefused
+from app.serving.tools import parse_output, uses_tools
 
 Item = MessageItem | FunctionCallItem | FunctionCallOutputItem
 # A chat body's field -> the Responses field a client sent it as.

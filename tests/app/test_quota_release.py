@@ -10,7 +10,7 @@ from typing import Any
 import httpx
 import pytest
 
-from app.openai import submission
+from app.serving import submission
 from app.serving.generation import TextGeneration
 from tests.app.conftest import ServerThread, instant_context, wait_for
 from tests.tenants_files import tenants_toml

@@ -16,8 +16,8 @@ from openai.types.chat import (
     ChatCompletionToolParam,
 )
 
-from app.openai.schemas import ChatCompletionBody
-from app.openai.tools import TOOL_CALL_OPEN, ToolStream, parse_output, template_messages
+from app.serving.schemas import ChatCompletionBody
+from app.serving.tools import TOOL_CALL_OPEN, ToolStream, parse_output, template_messages
 from tests.app.conftest import ServerThread, instant_context
 
 WEATHER: ChatCompletionToolParam = {"type": "function", "function": {
@@ -102,7 +102,7 @@ def test_named_streams_the_arguments_as_they_come() -> None:
     ({"tools": [WEATHER, WEATHER]}, "tools"),
 ])
 def test_inconsistent_tool_fields_are_refused(fields: dict[str, Any], param: str) -> None:
-    from app.openai.schemas import FieldRefused
+    from app.serving.schemas import FieldRefused
 
     with pytest.raises(FieldRefused) as refused:
         body(**fields).check_fields()

@@ -18,11 +18,10 @@ from __future__ import annotations
 
 import json
 import uuid
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
-from app.openai.objects import Choice
-from app.openai.schemas import ChatCompletionBody, ChatMessage, NamedToolChoice, Tool
+from app.serving.schemas import ChatCompletionBody, ChatMessage, NamedToolChoice, Tool
 from contract.plan import StructuredOutput
 
 TOOL_CALL_OPEN = "<tool_call>"
@@ -188,16 +187,6 @@ def _call_in(block: str, names: set[str]) -> ToolCall | None:
     if not isinstance(parsed, dict) or parsed.get("name") not in names:
         return None
     return new_call(parsed["name"], parsed.get("arguments", parsed.get("parameters", {})))
-
-
-def with_tool_calls(body: ChatCompletionBody, choice: Choice) -> Choice:
-    """A whole choice with the calls of its output parsed out."""
-    content, calls = parse_output(body, choice.result.text)
-    if not calls:
-        return choice
-    result = replace(choice.result, text=content or "",
-                     finish_reason=tool_finish_reason(choice.result.finish_reason or "stop", True))
-    return replace(choice, result=result, tool_calls=[call.as_dict() for call in calls])
 
 
 def tool_finish_reason(finish_reason: str, has_calls: bool) -> str:

@@ -14,9 +14,6 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, replace
 
-from app.openai.sampling import sampling_params, structured_from_response_format, structured_output_of
-from app.openai.schemas import CacheControl, ChatCompletionBody, CompletionBody, GenerationBody
-from app.openai.tools import ToolStream, template_messages, template_tools, uses_tools
 from app.plumbing.errors import SERVER_ERROR, APIError
 from app.serving.adapters import adapter_of
 from app.serving.admission import RATE_LIMIT_ERROR
@@ -24,6 +21,9 @@ from app.serving.choices import ChoiceSet, DeferredStream
 from app.serving.context import ServingContext
 from app.serving.generation import GenerationFailed, TextGeneration, TokenStream
 from app.serving.off_loop import THREAD_ITEMS, THREAD_TOKENIZE_CHARS
+from app.serving.sampling import sampling_params, structured_from_response_format, structured_output_of
+from app.serving.schemas import CacheControl, ChatCompletionBody, CompletionBody, GenerationBody
+from app.serving.tools import ToolStream, template_messages, template_tools, uses_tools
 from scheduling.engine import EngineOverloaded, EngineStopped, RequestStream, TenantOverShare
 from scheduling.request import PriorityClass, RequestId
 from scheduling.request import Request as EngineRequest

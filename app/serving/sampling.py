@@ -5,10 +5,9 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 
-from app.openai.objects import Choice
-from app.openai.schemas import ChatCompletionBody, CompletionBody, GenerationBody
-from app.openai.tools import forced_structure
 from app.plumbing.errors import APIError
+from app.serving.schemas import ChatCompletionBody, CompletionBody, GenerationBody
+from app.serving.tools import forced_structure
 from contract.plan import SamplingParams, StructuredOutput
 from gpu.tokenizer import Tokenizer
 
@@ -78,12 +77,3 @@ def min_tokens_of(body: GenerationBody) -> int:
     return min_tokens
 
 
-def best_choices(choices: list[Choice], per_prompt: int, n: int) -> list[Choice]:
-    """Of each prompt's `per_prompt` choices, the n whose tokens are likeliest (the highest mean log
-    probability per token, as OpenAI's best_of), re-indexed in order."""
-    kept: list[Choice] = []
-    for start in range(0, len(choices), per_prompt):
-        group = choices[start:start + per_prompt]
-        group.sort(key=lambda c: -sum(e.logprob for e in c.result.logprobs) / max(1, len(c.result.logprobs)))
-        kept.extend(group[:n])
-    return [Choice(index, choice.result, choice.prefix) for index, choice in enumerate(kept)]

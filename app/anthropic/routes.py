@@ -30,18 +30,20 @@ from app.anthropic.errors import (
 from app.anthropic.objects import PING_EVENT, MessageEvents, MessageHead, error_event
 from app.anthropic.schemas import MessagesBody, MessagesInput
 from app.anthropic.translation import chat_body, stop_reason, tool_input, tool_use_blocks
-from app.plumbing.asgi import CLIENT_CLOSED_STATUS, ClientGone, EventStreamResponse, read_body, unless_disconnected
+from app.plumbing.asgi import EventStreamResponse
 from app.plumbing.errors import json_response
+from app.serving.bodies import BodyErrors, parsed_body
 from app.serving.context import ServingContext
 from app.serving.generation import GenerationFailed, TextPiece
-from app.serving.off_loop import THREAD_BODY_BYTES, THREAD_ITEMS
-from app.serving.schemas import ChatCompletionBody, FieldRefused, NamedToolChoice
+from app.serving.off_loop import THREAD_ITEMS
+from app.serving.schemas import ChatCompletionBody, NamedToolChoice
 from app.serving.submission import ChoiceStarter, Generations, shutting_down
 from app.serving.tools import ToolCall, ToolStream, parse_output, uses_tools
 from scheduling.request import PriorityClass
 from tenancy.tenants import Tenant
 
 InputT = TypeVar("InputT", bound=MessagesInput)
+ANTHROPIC_BODY_ERRORS = BodyErrors(from_validation_error, field_refused)
 T = TypeVar("T")
 MESSAGES_PATH = "/v1/messages"
 # While a streamed request waits for its first token (queued behind others, or prefilling a long
@@ -88,22 +90,12 @@ class AnthropicRoutes:
         head = MessageHead(message_id, body.model, started.num_pinnable_tokens)  # the base model or an adapter
         if body.stream:
             return EventStreamResponse(self._events(started, chat, head), started.headers)
-        try:
-            whole = await unless_disconnected(request.receive, self._whole(started, chat, head))
-        except GenerationFailed as exc:
-            raise self.starter.failure(exc) from None
-        except ClientGone:
-            return Response(status_code=CLIENT_CLOSED_STATUS)
-        return json_response(whole, headers=started.headers)
+        return await self.starter.whole_answer(request, self._whole(started, chat, head), started.headers)
 
     # ---- from the body to a started generation -------------------------------------------------
 
     async def _parse(self, request: Request, body_type: type[InputT], tenant: Tenant) -> InputT:
-        raw = await read_body(request, self.context.settings.max_body_bytes)
-        body = await self.context.off_loop.run_if(len(raw) >= THREAD_BODY_BYTES, tenant.tenant_id, _validated,
-                                                  body_type, raw)
-        self.context.check_model(body.model, tenant)  # the base model or a LoRA adapter this tenant may use
-        return body
+        return await parsed_body(self.context, request, tenant, body_type, ANTHROPIC_BODY_ERRORS)
 
     async def _chat_body(self, body: MessagesInput, tenant: Tenant) -> ChatCompletionBody:
         return await self.context.off_loop.run_if(len(body.messages) > THREAD_ITEMS, tenant.tenant_id,
@@ -159,10 +151,7 @@ class AnthropicRoutes:
 def _tool_stream_events(events: MessageEvents, tools: ToolStream, piece: TextPiece, *, is_named: bool) -> bytes:
     """The events of one piece of an output that may hold tool calls. A named call streams its input
     as it comes; the others come whole at the end, and one without a complete input object is left out."""
-    content, deltas = tools.feed(piece.text)
-    if piece.finish_reason is not None:
-        tail, more = tools.finish()
-        content, deltas = content + tail, deltas + more
+    content, deltas = tools.take(piece.text, is_last=piece.finish_reason is not None)
     if not is_named:
         deltas = [delta for delta in deltas if tool_input(delta["function"]["arguments"]) is not None]
     sent = events.text(content) if content else b""
@@ -188,18 +177,6 @@ async def _pinging(items: AsyncIterator[T], interval_s: float) -> AsyncGenerator
     yield first_item
     async for item in items:
         yield item
-
-
-def _validated(body_type: type[InputT], raw: bytes) -> InputT:
-    """The body, or the 400 that says what is wrong with it or what it asks that we cannot do."""
-    try:
-        body = body_type.model_validate_json(raw)
-        body.check_fields()
-    except ValidationError as exc:
-        raise from_validation_error(exc) from None
-    except FieldRefused as exc:
-        raise field_refused(exc) from None
-    return body
 
 
 def _translated(body: MessagesInput) -> ChatCompletionBody:

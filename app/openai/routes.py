@@ -14,7 +14,6 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from pydantic import ValidationError
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
@@ -36,14 +35,15 @@ from app.openai.objects import (
     sse_error_event,
     text_completion,
 )
-from app.plumbing.asgi import CLIENT_CLOSED_STATUS, ClientGone, EventStreamResponse, read_body, unless_disconnected
-from app.plumbing.errors import APIError, from_validation_error, json_response
+from app.plumbing.asgi import EventStreamResponse
+from app.plumbing.errors import APIError, json_response
 from app.serving.adapters import adapter_of
+from app.serving.bodies import parsed_body, validated
 from app.serving.context import ServingContext
 from app.serving.generation import GenerationFailed, TextPiece
 from app.serving.items import RetryLater
-from app.serving.off_loop import THREAD_BODY_BYTES, THREAD_ITEMS, THREAD_TOKENIZE_CHARS
-from app.serving.schemas import ChatCompletionBody, CompletionBody, FieldRefused, GenerationBody
+from app.serving.off_loop import THREAD_ITEMS, THREAD_TOKENIZE_CHARS
+from app.serving.schemas import ChatCompletionBody, CompletionBody, GenerationBody
 from app.serving.submission import (
     NO_PIN,
     RETRY_AFTER_S,
@@ -166,23 +166,7 @@ class OpenAIRoutes:
     async def _parse(self, request: Request, body_type: type[BodyT], tenant: Tenant) -> BodyT:
         if self.context.is_draining:
             raise shutting_down()
-        raw = await read_body(request, self.context.settings.max_body_bytes)
-        body = await self.context.off_loop.run_if(len(raw) >= THREAD_BODY_BYTES, tenant.tenant_id,
-                                                  self._validated, body_type, raw)
-        self.context.check_model(body.model, tenant)
-        return body
-
-    @staticmethod
-    def _validated(body_type: type[BodyT], raw: bytes | dict[str, Any]) -> BodyT:
-        """The body, or the 400 that says what is wrong with it or what it asks that we cannot do."""
-        try:
-            body = body_type.model_validate_json(raw) if isinstance(raw, bytes) else body_type.model_validate(raw)
-            body.check_fields()
-        except ValidationError as exc:
-            raise from_validation_error(exc) from None
-        except FieldRefused as exc:
-            raise APIError(400, str(exc), param=exc.param, code=exc.code) from None
-        return body
+        return await parsed_body(self.context, request, tenant, body_type)
 
     async def _generate(self, request: Request, tenant: Tenant, body: GenerationBody, prompts: list[list[int]],
                         flavor: Flavor) -> Response:
@@ -196,13 +180,7 @@ class OpenAIRoutes:
             shape = StreamShape(body.include_usage, body.continuous_usage, logprobs)
             chunks = flavor.chunks(envelope, shape, started.choices.usage)
             return EventStreamResponse(self._sse_events(started, chunks, shape), started.headers)
-        try:
-            whole = await unless_disconnected(request.receive, self._whole(started, body, envelope, flavor))
-        except GenerationFailed as exc:
-            raise self.starter.failure(exc) from None
-        except ClientGone:
-            return Response(status_code=CLIENT_CLOSED_STATUS)
-        return json_response(whole, headers=started.headers)
+        return await self.starter.whole_answer(request, self._whole(started, body, envelope, flavor), started.headers)
 
     async def _whole(self, started: Generations, body: GenerationBody, envelope: Envelope, flavor: Flavor
                      ) -> dict[str, Any]:
@@ -237,7 +215,7 @@ class OpenAIRoutes:
         tenant = self.context.engine.tenants.get(tenant_id)
         try:
             body: GenerationBody = await self.context.off_loop.run_if(
-                _has_many_items(raw_body), tenant_id, self._validated, body_type, {**raw_body, "stream": False})
+                _has_many_items(raw_body), tenant_id, validated, body_type, {**raw_body, "stream": False})
             self.context.check_model(body.model, tenant)
             await self.starter.check_grammar(body, tenant)
             prompts = await self._prompts_of(body, tenant)
@@ -294,10 +272,7 @@ class OpenAIRoutes:
 
 def tool_stream_events(chunks: ChunkEncoder, tools: ToolStream, index: int, piece: TextPiece) -> list[bytes]:
     """The chunks of one piece of a choice whose output may hold tool calls."""
-    content, deltas = tools.feed(piece.text)
-    if piece.finish_reason is not None:
-        tail, more = tools.finish()
-        content, deltas = content + tail, deltas + more
+    content, deltas = tools.take(piece.text, is_last=piece.finish_reason is not None)
     events = [chunks.content(index, content, piece.logprobs)] if content or piece.logprobs else []
     if deltas:
         events.append(chunks.tool_calls(index, deltas))

@@ -15,16 +15,14 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from app.plumbing.asgi import CLIENT_CLOSED_STATUS, ClientGone, EventStreamResponse, read_body, unless_disconnected
+from app.plumbing.asgi import EventStreamResponse
 from app.plumbing.errors import APIError, deepest_problem, from_validation_error, json_response
 from app.responses.background import BackgroundResponses
 from app.responses.runs import ResponseRunner
 from app.responses.schemas import ResponsesBody
 from app.responses.store import ResponseStore, StoredResponse
+from app.serving.bodies import BodyErrors, parsed_body
 from app.serving.context import ServingContext
-from app.serving.generation import GenerationFailed
-from app.serving.off_loop import THREAD_BODY_BYTES
-from app.serving.schemas import FieldRefused
 from app.serving.submission import shutting_down
 from tenancy.tenants import Tenant
 
@@ -60,13 +58,7 @@ class ResponsesRoutes:
             return json_response(await self.background.launch(run), headers=run.started.headers)
         if body.stream:
             return EventStreamResponse(self.runner.events(run), run.started.headers)
-        try:
-            whole = await unless_disconnected(request.receive, self.runner.whole(run))
-        except GenerationFailed as exc:
-            raise self.runner.failure(exc) from None
-        except ClientGone:
-            return Response(status_code=CLIENT_CLOSED_STATUS)
-        return json_response(whole, headers=run.started.headers)
+        return await self.runner.starter.whole_answer(request, self.runner.whole(run), run.started.headers)
 
     async def retrieve(self, request: Request) -> Response:
         """The stored response; with `stream=true`, its events after `starting_after` (a background
@@ -115,10 +107,7 @@ class ResponsesRoutes:
     async def _parse(self, request: Request, tenant: Tenant) -> ResponsesBody:
         if self.context.is_draining:
             raise shutting_down()
-        raw = await read_body(request, self.context.settings.max_body_bytes)
-        body = await self.context.off_loop.run_if(len(raw) >= THREAD_BODY_BYTES, tenant.tenant_id, _validated, raw)
-        self.context.check_model(body.model, tenant)  # the base model or a LoRA adapter this tenant may use
-        return body
+        return await parsed_body(self.context, request, tenant, ResponsesBody, RESPONSES_BODY_ERRORS)
 
     async def _own(self, tenant: Tenant, request: Request) -> StoredResponse:
         response_id = request.path_params["response_id"]
@@ -132,18 +121,6 @@ def _no_such(response_id: str) -> APIError:
     return APIError(404, f"No such response: '{response_id}'.", param="response_id", code="not_found")
 
 
-def _validated(raw: bytes) -> ResponsesBody:
-    """The body, or the 400 that says what is wrong with it or what it asks that we cannot do."""
-    try:
-        body = ResponsesBody.model_validate_json(raw)
-        body.check_fields()
-    except ValidationError as exc:
-        raise _invalid(exc) from None
-    except FieldRefused as exc:
-        raise APIError(400, str(exc), param=exc.param, code=exc.code) from None
-    return body
-
-
 def _invalid(exc: ValidationError) -> APIError:
     """The 400 of an invalid body, naming its deepest problem (see `deepest_problem`)."""
     location, problem = deepest_problem(exc)
@@ -151,6 +128,9 @@ def _invalid(exc: ValidationError) -> APIError:
         return from_validation_error(exc)
     return APIError(400, f"Invalid value for '{location}': {problem['msg']}", param=str(problem["loc"][0]),
                     code="invalid_value")
+
+
+RESPONSES_BODY_ERRORS = BodyErrors(invalid=_invalid)
 
 
 def _list_params(request: Request) -> tuple[int, str, str | None]:

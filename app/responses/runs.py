@@ -188,10 +188,7 @@ class ResponseRunner:
         if tools is None:
             frames = events.text(piece.text)
         else:
-            content, deltas = tools.feed(piece.text)
-            if piece.finish_reason is not None:
-                tail, more = tools.finish()
-                content, deltas = content + tail, deltas + more
+            content, deltas = tools.take(piece.text, is_last=piece.finish_reason is not None)
             frames = events.text(content) + events.call_deltas(deltas)
         if piece.finish_reason is not None:
             frames += events.finish(piece.finish_reason, run.started.choices.usage())

@@ -12,9 +12,15 @@ rendering and the whole prompt: exactly the tokens the two share, which is what 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Coroutine, Mapping
 from dataclasses import dataclass, replace
+from typing import Any
 
-from app.plumbing.errors import SERVER_ERROR, APIError
+from starlette.requests import Request
+from starlette.responses import Response
+
+from app.plumbing.asgi import CLIENT_CLOSED_STATUS, ClientGone, unless_disconnected
+from app.plumbing.errors import SERVER_ERROR, APIError, json_response
 from app.serving.adapters import adapter_of
 from app.serving.admission import RATE_LIMIT_ERROR
 from app.serving.choices import ChoiceSet, DeferredStream
@@ -124,6 +130,19 @@ class ChoiceStarter:
             param = format_param if structured_from_response_format(body) else "tools"
             raise APIError(400, f"The schema cannot be used to constrain the output: {exc}", param=param,
                            code="invalid_schema") from None
+
+    async def whole_answer(self, request: Request, whole: Coroutine[Any, Any, dict[str, Any]],
+                           headers: Mapping[str, str]) -> Response:
+        """A response that is not streamed: `whole` (the surface's answer object) as JSON once the
+        generation ends; a generation that failed, the error it ended with; a client that left
+        first, 499 (nobody sees it; the generation was aborted by `whole`'s cleanup)."""
+        try:
+            answer = await unless_disconnected(request.receive, whole)
+        except GenerationFailed as exc:
+            raise self.failure(exc) from None
+        except ClientGone:
+            return Response(status_code=CLIENT_CLOSED_STATUS)
+        return json_response(answer, headers=headers)
 
     def failure(self, exc: GenerationFailed) -> APIError:
         """A request the engine ended with an error: a 503 while draining or overloaded, else the

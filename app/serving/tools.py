@@ -227,6 +227,15 @@ class ToolStream:
         self._buffer = buffer[len(buffer) - held:]
         return buffer[:len(buffer) - held], []
 
+    def take(self, text: str, is_last: bool) -> tuple[str, list[dict[str, Any]]]:
+        """The content to send now and the tool-call deltas for one piece of output; the last piece
+        also releases what was held back."""
+        content, deltas = self.feed(text)
+        if is_last:
+            tail, more = self.finish()
+            content, deltas = content + tail, deltas + more
+        return content, deltas
+
     def finish(self) -> tuple[str, list[dict[str, Any]]]:
         if self._named is not None:
             return "", []

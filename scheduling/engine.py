@@ -283,7 +283,8 @@ class EngineFront(abc.ABC):
     async def wait_idle(self, timeout: float) -> bool:
         """Wait until every request has ended; False if some are still going after timeout."""
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._idle.wait(), timeout)
+            async with asyncio.timeout(timeout):
+                await self._idle.wait()
         return not self._streams
 
     @property
@@ -476,8 +477,11 @@ class Engine(EngineFront):
         while (time alone changes little: a pin's TTL, the step-cost model) before planning again. A
         loop that planned again at once would spin the runner's thread on empty steps, thousands a
         second, for as long as a request waits on something no step can give it."""
+        # asyncio.timeout, not wait_for: on Python 3.11 wait_for swallows a cancel (shutdown's) that comes
+        # as a command arrives, and the engine's task would step on.
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._command_arrived.wait(), timeout_s)
+            async with asyncio.timeout(timeout_s):
+                await self._command_arrived.wait()
 
     def _apply_commands(self) -> None:
         incoming, self._incoming = self._incoming, []

@@ -79,8 +79,11 @@ class BatchRunner:
         while True:
             self._wake.clear()  # before the tick: a wake-up during it means "look again"
             await self.tick()
-            with contextlib.suppress(TimeoutError):  # the poll also notices expired windows
-                await asyncio.wait_for(self._wake.wait(), self.poll_seconds)
+            # The poll also notices expired windows. asyncio.timeout, not wait_for: on Python 3.11 wait_for
+            # swallows a cancel that comes as the event is set, and stop() then waited forever.
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.poll_seconds):
+                    await self._wake.wait()
 
     async def tick(self) -> None:
         """One pass over the active batches; a failing batch does not hold up the others."""

@@ -117,3 +117,15 @@ async def test_a_batch_of_a_tenant_no_longer_listed_fails_with_the_reason(tmp_pa
     assert "tenant 'mallory' is no longer served" in json.dumps(ended["errors"])
     assert executor.done == Counter({"bob": 5})
     await store.close()
+
+
+async def test_stop_ends_the_runner_even_as_it_is_woken(tmp_path: Path) -> None:
+    """A wake-up in the same moment as the stop's cancel: Python 3.11's wait_for swallowed the cancel,
+    and stop() waited forever (seen once in the suite, as a 300 s timeout of the test above)."""
+    store = BatchStore(tmp_path / "batches.db")
+    runner = BatchRunner(store, Executor(), max_in_flight=4, poll_seconds=30.0)
+    runner.start()
+    await asyncio.sleep(0.2)  # past its first tick: waiting to be woken
+    runner.wake()
+    await asyncio.wait_for(runner.stop(), timeout=5.0)
+    await store.close()

@@ -32,8 +32,13 @@ WORST_LOOP_LAG_S = 0.3
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[ServerThread]:
+    context = instant_context(max_body_bytes=4 * MiB)
+    # At normal priority: what is measured is whether the work leaves the loop. Its threads' low priority
+    # is tested below; beside the suite's other worker, a low-priority thread holding the interpreter lock
+    # could be kept off the CPU for a while, which is a matter of CPU shares, not of the loop.
+    context.off_loop = OffLoop(nice=0)
     with paced_collection():
-        started = ServerThread(instant_context(max_body_bytes=4 * MiB)).start()
+        started = ServerThread(context).start()
         yield started
         started.stop()
 

@@ -1,4 +1,5 @@
-"""From a request body to the engine's SamplingParams, and best_of's pick of the likeliest choices."""
+"""From a request body to the engine's SamplingParams (best_of's pick of its choices is OpenAI's own:
+app/openai/answers.py)."""
 
 from __future__ import annotations
 
@@ -75,5 +76,3 @@ def min_tokens_of(body: GenerationBody) -> int:
         raise APIError(400, f"min_tokens ({min_tokens}) must not exceed max_tokens ({max_tokens}).",
                        param="min_tokens", code="invalid_value")
     return min_tokens
-
-

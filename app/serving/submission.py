@@ -37,7 +37,6 @@ from scheduling.scheduler import AdmissionError
 from tenancy.tenants import Tenant
 
 RETRY_AFTER_S = "1"
-# Tokenizing a long prompt can take long enough to stall every stream; such prompts go to a thread.
 SHUTTING_DOWN = "The server is shutting down; retry on another replica or later."
 
 
@@ -68,7 +67,6 @@ class Generations:
     # prompt token (always computed). 0 without a breakpoint or a prefix cache. Messages API usage
     # reports what of these was not read from the cache as written to it.
     num_pinnable_tokens: int = 0
-
 
 
 class ChoiceStarter:

@@ -123,9 +123,20 @@ async def test_stop_ends_the_runner_even_as_it_is_woken(tmp_path: Path) -> None:
     """A wake-up in the same moment as the stop's cancel: Python 3.11's wait_for swallowed the cancel,
     and stop() waited forever (seen once in the suite, as a 300 s timeout of the test above)."""
     store = BatchStore(tmp_path / "batches.db")
+    ticked = asyncio.Event()
+    listed = store.active_batches
+
+    async def listing(statuses: Any) -> Any:
+        found = await listed(statuses)
+        ticked.set()
+        return found
+
+    store.active_batches = listing  # type: ignore[method-assign]
     runner = BatchRunner(store, Executor(), max_in_flight=4, poll_seconds=30.0)
     runner.start()
-    await asyncio.sleep(0.2)  # past its first tick: waiting to be woken
+    await asyncio.wait_for(ticked.wait(), timeout=10.0)
+    for _ in range(10):  # the rest of the tick (no batches: no await blocks) and into the wait for a wake
+        await asyncio.sleep(0)
     runner.wake()
     await asyncio.wait_for(runner.stop(), timeout=5.0)
     await store.close()

@@ -122,7 +122,7 @@ def test_heavy_work_runs_at_a_low_priority_one_job_per_tenant_at_a_time() -> Non
     def job(tenant: str) -> int:
         running.append(tenant)
         most_at_once[tenant] = max(most_at_once.get(tenant, 0), running.count(tenant))
-        time.sleep(0.02)
+        time.sleep(0.02)  # the job's work: long enough that a second job of its tenant, if let in, would overlap it
         running.remove(tenant)
         return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
 

@@ -129,7 +129,7 @@ class KVBlockManager:
 
     A request never holds block lists that other modules edit (vLLM's KV manager keeps them the
     same way). The scheduler asks pure questions (`cached_prefix`, `blocks_needed`,
-    `can_swap_in`, `num_device_blocks`) and then makes one change (`allocate`, `swap_out`,
+    `blocks_to_swap_in`, `num_device_blocks`) and then makes one change (`allocate`, `swap_out`,
     `swap_in`, `free`) that either succeeds whole or changes nothing."""
 
     def __init__(self, num_device_blocks: int, num_cpu_blocks: int, block_size: int,
@@ -229,9 +229,9 @@ class KVBlockManager:
         limit = (request.num_tokens - 1) // self.block_size
         return self._hash_chain(request, limit)[:limit]
 
-    def can_swap_in(self, request: Request, num_new_tokens: int) -> bool:
-        blocks = -(-(request.num_computed_tokens + num_new_tokens) // self.block_size)
-        return blocks <= self.device.num_free
+    def blocks_to_swap_in(self, request: Request, num_new_tokens: int) -> int:
+        """Device blocks a swapped request takes to resume with num_new_tokens: its own back, and the new."""
+        return -(-(request.num_computed_tokens + num_new_tokens) // self.block_size)
 
     def can_swap_out(self, request: Request) -> bool:
         return self.num_device_blocks(request.request_id) <= self.cpu.num_free

@@ -6,6 +6,7 @@ built in phases, each within one token budget and one sequence cap:
      max_concurrent, preempt running batch requests;
   2. running requests: interactive before batch, decodes before prefill chunks;
   3. swapped-in and newly admitted requests: interactive first, batch only when no interactive waits.
+Phases 1 and 3 ask one admission rule (scheduling/admission.py) whether a request may start.
 While interactive requests are active, batch work also has to fit the step's time budget (step
 shaping, scheduling/step_shaper.py); what does not fit keeps its blocks and waits for the next step.
 Only this class changes a request's status.
@@ -15,15 +16,16 @@ from __future__ import annotations
 
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Container, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, fields
 from types import MappingProxyType
 
 from contract.plan import BASE_MODEL_SLOT, CacheGeometry, StepPlan, StepResult, TokenLogprobs
+from scheduling.admission import AdmissionRule, Hold, RoomNow, Verdict
 from scheduling.block_manager import KVBlockManager
 from scheduling.cache_pins import CachePins
 from scheduling.cache_tiers import LowerTiers
-from scheduling.interactive_room import NOTHING_OWED, RoomCount, RoomOwed, room_owed, waits_for_room
+from scheduling.interactive_room import NOTHING_OWED, RoomCount, RoomOwed, room_owed
 from scheduling.lora_residency import LoraResidency
 from scheduling.preemption import PreemptionEvent, PreemptionMode, choose_victim, victims_in_order
 from scheduling.queue import RequestQueue, create_request_queue
@@ -117,6 +119,7 @@ class Scheduler:
         self.load = TenantLoad(self.tenants)
         self.limits = TenantLimits(self.tenants, self.load, self.blocks, self.waiting, geometry.num_device_blocks,
                                    config.kv_share_limit)
+        self.admission = AdmissionRule(self.limits, self.blocks)
         self.shaper = StepShaper(config.shaping, geometry.block_size)
         self._finished_ids: list[str] = []  # told to the runner with the next plan
         self.lora = LoraResidency(config.max_loras)
@@ -221,28 +224,24 @@ class Scheduler:
 
     def _count_interactive_demand(self, budget: int, room: RoomCount) -> tuple[InteractiveDemand, int]:
         """The waiting interactive requests that fit this step's budget and could start once running batch
-        work gives way, in the order the step starts them, and the device blocks they need. Not counted
-        (making room for them would only swap batch work out and back in): a request its tenant's KV share
-        holds back, one whose LoRA slot or max_concurrent room only interactive work could give, and, as
-        admission passes over a tenant for the step, a waiting request behind one of its tenant's not counted."""
+        work gives way, in the order the step starts them, and the device blocks they need. Counted by the
+        admission rule with the room preemption could make (see scheduling/admission.py): one it holds back
+        is not counted, since making room for it would only swap batch work out and back in."""
         demand, blocks_needed = InteractiveDemand(), 0
         passed_over: set[str] = set()
         for request in self._waiting_interactive_in_order():
             if demand.tokens >= budget:
                 break
-            take = min(request.num_uncomputed_tokens, budget - demand.tokens)
-            is_waiting = request.status is RequestStatus.WAITING
-            held_back = is_waiting and (request.tenant_id in passed_over or self.limits.over_kv_share(request, take))
-            if held_back or not room.has_room(request):
-                if is_waiting:
-                    passed_over.add(request.tenant_id)  # as admission passes its tenant over for the step
+            verdict = self.admission.verdict(request, budget - demand.tokens, room, passed_over)
+            if verdict.hold is Hold.TENANT:
+                passed_over.add(request.tenant_id)
+            if verdict.hold is not None:
                 continue
             room.add(request)
             demand.requests.append(request)
-            swapped_blocks = self.blocks.num_cpu_blocks(request.request_id)
-            blocks_needed += swapped_blocks + 1 if swapped_blocks else self.blocks.blocks_needed(request, take)
-            demand.tokens += take
-            self.shaper.add_demand(demand.work, take, request.num_computed_tokens)
+            blocks_needed += verdict.num_blocks
+            demand.tokens += verdict.num_new
+            self.shaper.add_demand(demand.work, verdict.num_new, request.num_computed_tokens)
         return demand, blocks_needed
 
     def _give_way(self, victims: list[Request], plan: StepPlan) -> bool:
@@ -378,57 +377,57 @@ class Scheduler:
                           interactive_demand: InteractiveDemand) -> None:
         owed = NOTHING_OWED
         for priority in classes:
-            if not self._resume_swapped(step, priority, owed):
-                return
-            if not self._admit_waiting(step, priority, owed):
+            if not self._start_class(step, priority, owed):
                 return  # requests of this class still wait: lower classes do not jump ahead
             owed = room_owed(interactive_demand.requests)  # room was made for them: lower classes leave it
 
-    def _resume_swapped(self, step: StepBuilder, priority: PriorityClass, owed: RoomOwed) -> bool:
-        """Swap requests of this class back in, oldest preemption first, leaving what is `owed` to waiting
-        interactive requests. False if some must wait."""
-        for request in [r for r in self.swapped if r.priority is priority]:
-            if len(self.running) >= self.config.max_num_seqs or step.tokens_left <= 0:
-                return False
-            num_new = min(request.num_uncomputed_tokens, step.tokens_left)
-            if waits_for_room(request, self.lora, self.load, owed):
-                continue  # for a LoRA slot or room under its tenant's max_concurrent: swapped, it holds neither
-            if not self.blocks.can_swap_in(request, num_new):
-                return False
-            num_new = self._shaped(step, request, num_new, InteractiveDemand(),
-                                   self.blocks.num_cpu_blocks(request.request_id))
-            if num_new <= 0:
-                return False
-            pairs = self.blocks.swap_in(request)
-            if pairs is None or not self.blocks.allocate(request, num_new):  # not in an assert: python -O drops those
-                raise RuntimeError(f"{request.request_id}: swap-in refused after can_swap_in allowed it")
-            step.plan.swap_in.extend(pairs)
-            self.counters.blocks_swapped_in += len(pairs)
-            self.swapped.remove(request)
-            self._start_running(request, step.plan)
-            step.add(request, num_new)
-        return True
-
-    def _admit_waiting(self, step: StepBuilder, priority: PriorityClass, owed: RoomOwed) -> bool:
-        """Admit in queue order (VTC across tenants), leaving what is `owed` to waiting interactive requests.
-        False if requests of this class still wait."""
-        queue = self.waiting[priority]
+    def _start_class(self, step: StepBuilder, priority: PriorityClass, owed: RoomOwed) -> bool:
+        """Resume this class's swapped requests (oldest preemption first), then admit its waiting ones (in
+        queue order: VTC across tenants), as the admission rule allows with the room as it is, less what is
+        `owed` to waiting interactive requests. False if some must wait for the next step."""
+        room = RoomNow(self.lora, self.load, owed)
         passed_over: set[str] = set()
+        queue = self.waiting[priority]
         with queue.passing_over():
-            while len(queue):
-                request = queue.peek(passed_over)
-                if request is None:
-                    return True  # only tenants at their limits are left: others may go ahead
+            for request in self._not_running_in_order(priority, passed_over):
                 if len(self.running) >= self.config.max_num_seqs or step.tokens_left <= 0:
                     return False
-                if (self.limits.holds_back(request, min(request.num_uncomputed_tokens, step.tokens_left))
-                        or waits_for_room(request, self.lora, self.load, owed)  # a LoRA slot, as for blocks
-                        or self.blocks.read_from_disk(request)):  # admitted once its cached blocks are read
+                verdict = self.admission.verdict(request, step.tokens_left, room, passed_over)
+                if verdict.hold is Hold.REQUEST:
+                    continue  # swapped: it waits for a LoRA slot or room under max_concurrent, holding neither
+                if verdict.hold is Hold.TENANT or self.blocks.read_from_disk(request):  # admitted once read
                     passed_over.add(request.tenant_id)
                     continue
-                if not self._admit(request, step):
+                started = self._resume(request, verdict, step) if request.status is RequestStatus.SWAPPED \
+                    else self._admit(request, step)
+                if not started:
                     return False
-                queue.remove(request)
+        return True
+
+    def _not_running_in_order(self, priority: PriorityClass, passed_over: Container[str]) -> Iterator[Request]:
+        """The class's swapped requests, then its waiting ones as the queue offers them. A waiting request
+        yielded must be started (it leaves the queue) or its tenant passed over before the next is asked."""
+        yield from [r for r in self.swapped if r.priority is priority]
+        queue = self.waiting[priority]
+        while (request := queue.peek(passed_over)) is not None:
+            yield request
+
+    def _resume(self, request: Request, verdict: Verdict, step: StepBuilder) -> bool:
+        """Swap a request back in with the verdict's tokens, if its blocks are free and shaping allows."""
+        if verdict.num_blocks > self.blocks.device.num_free:
+            return False
+        num_new = self._shaped(step, request, verdict.num_new, InteractiveDemand(),
+                               self.blocks.num_cpu_blocks(request.request_id))
+        if num_new <= 0:
+            return False
+        pairs = self.blocks.swap_in(request)
+        if pairs is None or not self.blocks.allocate(request, num_new):  # not in an assert: python -O drops those
+            raise RuntimeError(f"{request.request_id}: swap-in refused after its blocks were counted free")
+        step.plan.swap_in.extend(pairs)
+        self.counters.blocks_swapped_in += len(pairs)
+        self.swapped.remove(request)
+        self._start_running(request, step.plan)
+        step.add(request, num_new)
         return True
 
     def _admit(self, request: Request, step: StepBuilder) -> bool:
@@ -449,6 +448,7 @@ class Scheduler:
         if request.num_preemptions == 0:  # usage reports the first admission's hits
             request.num_cached_tokens = num_cached
             self.vtc[request.priority].charge(request.tenant_id, 0, 0, num_cached_prompt=num_cached)
+        self.waiting[request.priority].remove(request)
         self._start_running(request, step.plan)
         step.add(request, num_new)
         return True

@@ -1,7 +1,7 @@
-"""Whether a tenant's waiting request may start now: its `max_concurrent`, and the KV share rule.
+"""The KV share rule: whether a tenant's waiting request would take it past its share of device blocks.
 
-Asked by the scheduler for the waiting requests a step looks at; it reads the counts of
-`TenantLoad`, the blocks each tenant holds and the waiting queues, and changes nothing.
+Asked by the admission rule (scheduling/admission.py) for the waiting requests a step looks at; it
+reads the counts of `TenantLoad`, the blocks each tenant holds and the waiting queues, and changes nothing.
 """
 
 from __future__ import annotations
@@ -26,10 +26,6 @@ class TenantLimits:
         self._kv_share_limit = kv_share_limit
         # What the KV share rule of a request of each class sees: that class and those above it.
         self._classes_seen = {c: tuple(p for p in PriorityClass if p.rank <= c.rank) for c in PriorityClass}
-
-    def holds_back(self, request: Request, num_new: int) -> bool:
-        """Whether the request's tenant may not start it (with num_new tokens) now."""
-        return self._load.at_max_concurrent(request.tenant_id) or self.over_kv_share(request, num_new)
 
     def over_kv_share(self, request: Request, num_new: int) -> bool:
         """The KV share rule: while another tenant has a request waiting, a tenant is not admitted

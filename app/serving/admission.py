@@ -2,12 +2,16 @@
 
 Every admitted request holds a quota `Admission` until the engine ends it; the gate is an engine
 observer, so the release happens on the request's final event whatever ended it (its last token,
-a stop string, an abort, a client gone, a shutdown).
+a stop string, an abort, a client gone, a shutdown). Before the engine has the request, the quota is
+held by `holding()`: whatever fails between the gate and the engine gives it back, once
+(`TenantQuotas.release` of an admission already released does nothing).
 """
 
 from __future__ import annotations
 
 import base64
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 from starlette.requests import Request
 
@@ -92,6 +96,22 @@ class AdmissionGate:
             raise _api_error(exc) from None
         self._held[request.request_id] = admission
         return admission
+
+    @contextmanager
+    def holding(self, tenant: Tenant, requests: Sequence[EngineRequest]) -> Iterator[dict[str, str]]:
+        """Take the tenant's quota for every request, or for none; inside, any exception gives every one
+        back. Yields the rate-limit headers to answer with. Once the block ends normally the engine holds
+        the requests, and each one's final event releases its quota."""
+        self.check_fits(tenant, len(requests))
+        headers: dict[str, str] = {}
+        try:
+            for request in requests:
+                headers = dict(self.admit(tenant, request).headers)
+            yield headers
+        except BaseException:
+            for request in requests:
+                self.cancel(request.request_id)
+            raise
 
     def check_fits(self, tenant: Tenant, num_requests: int) -> None:
         """A 400 for a request of more engine requests than the tenant may ever have in flight."""

@@ -159,28 +159,17 @@ class ChoiceStarter:
             raise APIError(400, "The prompt is empty once tokenized.", param=prompt_param)
         requests = self._engine_requests(completion_id, body, prompts, tenant, priority, cache_pin)
         self.context.gate.check_class(tenant, priority)
-        headers = self._admit_all(tenant, requests)
-        try:
+        with self.context.gate.holding(tenant, requests) as headers:
             choices = self._submit_all(requests, body, prompt_param)
-        except BaseException:
-            self._release_all(requests)
-            raise
-        try:
-            tool_streams = [ToolStream(body) for _ in requests] \
-                if isinstance(body, ChatCompletionBody) and uses_tools(body) else None
-            return Generations(choices, headers, self._echoed_prefixes(body, prompts), tool_streams,
-                               self._pinnable_tokens(cache_pin, prompts))
-        except BaseException:
-            for generation in choices.generations:  # the engine requests end; the deferred ones never start
-                generation.close()
-            self._release_all(requests)
-            raise
-
-    def _release_all(self, requests: list[EngineRequest]) -> None:
-        """Whatever failed between the gate and the engine, no quota stays taken (releasing twice is a
-        no-op: the gate holds each admission by request id once)."""
-        for engine_request in requests:
-            self.context.gate.cancel(engine_request.request_id)
+            try:
+                tool_streams = [ToolStream(body) for _ in requests] \
+                    if isinstance(body, ChatCompletionBody) and uses_tools(body) else None
+                return Generations(choices, headers, self._echoed_prefixes(body, prompts), tool_streams,
+                                   self._pinnable_tokens(cache_pin, prompts))
+            except BaseException:
+                for generation in choices.generations:  # the engine requests end; the deferred ones never start
+                    generation.close()
+                raise
 
     def _pinnable_tokens(self, cache_pin: CachePin, prompts: list[list[int]]) -> int:
         """What the prefix cache can keep of the breakpoint: whole blocks, short of the last prompt token's
@@ -220,23 +209,10 @@ class ChoiceStarter:
                            param="stop_token_ids", code="invalid_value")
         return requested if body.ignore_eos else requested | self.context.tokenizer.eos_token_ids
 
-    def _admit_all(self, tenant: Tenant, requests: list[EngineRequest]) -> dict[str, str]:
-        """Take the tenant's quota for every choice, or for none."""
-        self.context.gate.check_fits(tenant, len(requests))
-        headers: dict[str, str] = {}
-        admitted: list[EngineRequest] = []
-        try:
-            for engine_request in requests:
-                headers = dict(self.context.gate.admit(tenant, engine_request).headers)
-                admitted.append(engine_request)
-        except BaseException:
-            self._release_all(admitted)
-            raise
-        return headers
-
     def _submit_all(self, requests: list[EngineRequest], body: GenerationBody, prompt_param: str) -> ChoiceSet:
         """Submit the first choice of each prompt now; the others wait for its first token (see
-        app/serving/choices.py). If the engine refuses one now, the started ones are aborted, the rest released."""
+        app/serving/choices.py). If the engine refuses one now, the started ones are aborted (the quotas go
+        back with the gate's `holding`)."""
         per_prompt = body.num_generations
         generations: list[TextGeneration] = []
         try:
@@ -251,7 +227,6 @@ class ChoiceStarter:
         except BaseException:
             for generation in generations:
                 generation.close()
-            self._release_all(requests[len(generations):])
             raise
         return ChoiceSet(generations, list(range(0, len(requests), per_prompt)))
 
@@ -260,7 +235,8 @@ class ChoiceStarter:
         def submit(later: EngineRequest) -> RequestStream:
             try:
                 return self._submit(later, body, prompt_param)
-            except APIError as exc:
+            except APIError as exc:  # after start() returned: the gate's holding is over
+                self.context.gate.cancel(later.request_id)
                 raise GenerationFailed(exc.message, exc.status) from None
 
         # Without a prefix cache there is nothing to wait for: the prompt is computed again anyway.
@@ -284,15 +260,7 @@ class ChoiceStarter:
         room = self.context.geometry.max_model_len - num_prompt_tokens
         return max(1, min(self.context.settings.default_max_tokens, room))
 
-    def _submit(self, engine_request: EngineRequest, body: GenerationBody, prompt_param: str) -> RequestStream:
-        """Hand the request to the engine; if it refuses, the quota taken at the gate goes back."""
-        try:
-            return self._submit_or_explain(engine_request, body, prompt_param)
-        except APIError:
-            self.context.gate.cancel(engine_request.request_id)
-            raise
-
-    def _submit_or_explain(self, engine_request: EngineRequest, body: GenerationBody, prompt_param: str
+    def _submit(self, engine_request: EngineRequest, body: GenerationBody, prompt_param: str
                            ) -> RequestStream:
         try:
             return self.context.engine.submit(engine_request)

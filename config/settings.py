@@ -105,7 +105,15 @@ class Settings(BaseModel):
     # predicted time within the interactive target (scheduling/step_shaper.py).
     step_shaping: bool = True
     interactive_itl_target_ms: float | None = Field(default=None, gt=0)  # fixed; None: derived as below
-    interactive_itl_slack: float = Field(default=1.1, ge=1.0)  # target = this x the interactive work's own time
+    interactive_itl_slack: float = Field(default=1.1, ge=1.0)  # target = this x the interactive work's own time,
+    interactive_itl_decodes: float = Field(default=2.0, ge=0.0)  # and at least this x a lone decode step's time
+    interactive_ttft_slack: float = Field(default=1.0, ge=1.0)  # a step with an interactive prompt: this x its time
+    # While interactive requests may arrive (one was unfinished in the last arrival_window_s seconds; unset:
+    # always), no step is predicted longer than the arrival budget, so an arriving request waits at most
+    # about that long for its first step; unset, it is arrival_budget_decodes x a lone decode step's time.
+    interactive_arrival_budget_ms: float | None = Field(default=None, gt=0)
+    interactive_arrival_budget_decodes: float = Field(default=4.0, gt=0)
+    interactive_arrival_window_s: float | None = Field(default=10.0, ge=0)
     enable_prefix_caching: bool = True
     queue_policy: Literal["vtc", "fcfs"] = "vtc"
     vtc_prompt_weight: float = Field(default=1.0, gt=0)  # w_p, per prompt token computed

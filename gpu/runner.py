@@ -163,6 +163,11 @@ class ModelRunner:
             self.background.start()
 
     @property
+    def awaits_compiled_forward(self) -> bool:
+        """Whether a compiled forward will replace the one serving now (timing the one now is then waste)."""
+        return self._awaits_compiled
+
+    @property
     def compile_status(self) -> CompileStatus | None:
         """Where a background compilation stands; None when the forward was ready at start-up."""
         return None if self.background is None else self.background.status

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -13,6 +14,7 @@ from typing import Any, TypeVar
 import httpx
 
 from loadtest.client import is_loopback_url
+from loadtest.latency import PHASES, LatencyConfig, build_latency_report, run_latency, write_latency_report
 from loadtest.noisy import ABUSES, NoisyConfig, build_noisy_report, run_noisy, write_noisy_report
 from loadtest.overload import OverloadConfig, run_overload
 from loadtest.overload_report import build_overload_report, write_overload_report
@@ -22,7 +24,7 @@ from loadtest.workload import ANONYMOUS, LoadTenant, LoadTenantsError, load_admi
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 MIB = 1024 * 1024
-LONG_RUNS = ("soak", "overload", "noisy-neighbour")
+LONG_RUNS = ("soak", "overload", "noisy-neighbour", "latency")
 T = TypeVar("T")
 
 
@@ -71,6 +73,18 @@ def noisy_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-ratio", type=float, default=1.3, help="the light tenant's latency allowed, times alone")
     p.add_argument("--abuses", default="", help=f"the neighbour's abuses, comma-separated (default all: "
                                                 f"{','.join(ABUSES)})")
+    return p
+
+
+def latency_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m loadtest latency", description=__doc__)
+    _common(p, "latency")
+    p.add_argument("--phases", default=",".join(PHASES), help=f"comma-separated, of {', '.join(PHASES)}")
+    p.add_argument("--phase-seconds", type=float, default=60.0)
+    p.add_argument("--interactive-streams", type=int, default=4)
+    p.add_argument("--batch-streams", type=int, default=24)
+    p.add_argument("--prompt-words", type=int, default=45, help="about 60 tokens")
+    p.add_argument("--max-tokens", type=int, default=64)
     return p
 
 
@@ -126,8 +140,19 @@ def _noisy(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     return report, write_noisy_report(report, Path(args.out))
 
 
+def _latency(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+    tenants, _ = tenants_of(args.tenants)
+    config = LatencyConfig(args.url.rstrip("/"), tenants[0], tuple(p for p in args.phases.split(",") if p),
+                           args.phase_seconds, args.interactive_streams, args.batch_streams, args.prompt_words,
+                           args.max_tokens, args.seed)
+    load_before = os.getloadavg()[0]
+    phases = asyncio.run(run_latency(config))
+    report = build_latency_report(config, phases, (load_before, os.getloadavg()[0]))
+    return report, write_latency_report(report, Path(args.out))
+
+
 RUNS = {"soak": (soak_parser, _soak), "overload": (overload_parser, _overload),
-        "noisy-neighbour": (noisy_parser, _noisy)}
+        "noisy-neighbour": (noisy_parser, _noisy), "latency": (latency_parser, _latency)}
 
 
 def run_long(argv: list[str]) -> int:

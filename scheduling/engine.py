@@ -318,7 +318,7 @@ class Engine(EngineFront):
 
     def __init__(self, scheduler: Scheduler, executor: Executor, *, max_queued_requests: int = 1024,
                  batch_queue_fraction: float = 0.75, stall_after_s: float = 60.0,
-                 step_thread: ThreadPoolExecutor | None = None) -> None:
+                 step_thread: ThreadPoolExecutor | None = None, calibrate: bool = False) -> None:
         super().__init__(executor, scheduler.geometry, scheduler.tenants, max_queued_requests=max_queued_requests,
                          batch_queue_fraction=batch_queue_fraction, stall_after_s=stall_after_s)
         self.scheduler = scheduler
@@ -327,6 +327,10 @@ class Engine(EngineFront):
         self._hash_block_size = scheduler.geometry.block_size if scheduler.config.enable_prefix_caching else None
         self.times = EngineTimes()
         self.collector = PacedCollector()
+        # Timed steps that fit the step cost model (scheduling/calibration.py): before the first step, and
+        # after the runner changes its forward. Off for fake executors whose virtual clocks tests read.
+        self._calibrate = calibrate
+        self._needs_calibration = calibrate
         self._incoming: list[Request] = []
         self._to_finish: list[tuple[RequestId, RequestStatus]] = []
         self._to_fold: list[Mapping[str, Mapping[str, float]]] = []
@@ -447,6 +451,8 @@ class Engine(EngineFront):
         self._command_arrived.set()
 
     async def _step(self) -> None:
+        if self._needs_calibration and self._may_calibrate():
+            await self._run_calibration()
         await self._wake.wait()
         self._command_arrived.clear()
         self._apply_commands()
@@ -465,12 +471,38 @@ class Engine(EngineFront):
             self._snapshot = self.scheduler.snapshot()
             return
         self.deliver(self.scheduler.update(plan, result))
+        self._needs_calibration = self._needs_calibration or (self._calibrate and result.forward_changed)
         seconds = time.perf_counter() - started
         self.scheduler.observe_step_time(plan, seconds)
         self._snapshot = self.scheduler.snapshot()
         self._account(plan, result, seconds)
         if plan.is_empty:
             await self._wait_for_a_command(EMPTY_STEP_BACKOFF_S)
+
+    def _may_calibrate(self) -> bool:
+        """Calibration waits for an idle engine (no request waits on it; served steps teach the model
+        meanwhile) and for the forward that will serve: not while a compiled one is on its way, whose
+        first step (forward_changed) asks for calibration again."""
+        return not self.scheduler.has_work() and not getattr(self.executor, "awaits_compiled_forward", False)
+
+    async def _run_calibration(self) -> None:
+        """The calibration steps, each timed as the executor runs it. A failed one ends calibration: the
+        cost model then learns from the steps served, as it would without."""
+        self._needs_calibration = False
+        loop = asyncio.get_running_loop()
+        started = time.perf_counter()
+        steps = self.scheduler.calibration_steps()
+        try:
+            for plan in steps:
+                step_started = time.perf_counter()
+                await loop.run_in_executor(self._pool, self.executor.execute, plan)
+                self.scheduler.observe_calibration(plan, time.perf_counter() - step_started)
+        except Exception:
+            logger.exception("a calibration step failed; the step cost model learns from served steps only")
+        finally:
+            steps.close()
+            self._snapshot = self.scheduler.snapshot()
+        logger.info("step cost model calibrated in %.2f s", time.perf_counter() - started)
 
     async def _wait_for_a_command(self, timeout_s: float) -> None:
         """After a step that could run nothing, wait for a command (a request, an abort) or a short

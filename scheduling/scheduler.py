@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Container, Iterable, Iterator, Mapping
+from collections.abc import Callable, Container, Generator, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, fields
 from types import MappingProxyType
 
@@ -25,6 +25,7 @@ from scheduling.admission import AdmissionRule, Hold, RoomNow, Verdict
 from scheduling.block_manager import KVBlockManager
 from scheduling.cache_pins import CachePins
 from scheduling.cache_tiers import LowerTiers
+from scheduling.calibration import calibration_plans
 from scheduling.interactive_room import NOTHING_OWED, RoomCount, RoomOwed, room_owed
 from scheduling.lora_residency import LoraResidency
 from scheduling.preemption import PreemptionEvent, PreemptionMode, choose_victim, victims_in_order
@@ -33,7 +34,7 @@ from scheduling.request import PriorityClass, Request, RequestId, RequestStatus,
 from scheduling.snapshot import BlockUse, ClassLoad, SchedulerSnapshot, StepCostStats, TierStats
 from scheduling.step_builder import StepBuilder
 from scheduling.step_cost import CostCoefficients, StepWork
-from scheduling.step_shaper import ShapingConfig, StepShaper
+from scheduling.step_shaper import ShapingConfig, StepShaper, work_of
 from scheduling.tenant_limits import TenantLimits
 from scheduling.tenant_load import TenantLoad
 from tenancy.tenants import TenantRegistry
@@ -122,6 +123,8 @@ class Scheduler:
         self.admission = AdmissionRule(self.limits, self.blocks)
         self.shaper = StepShaper(config.shaping, geometry.block_size)
         self._finished_ids: list[str] = []  # told to the runner with the next plan
+        self._interactive_seen_at = float("-inf")  # when an interactive request was last unfinished
+        self._arrivals_expected = False
         self.lora = LoraResidency(config.max_loras)
 
     # ---- commands -------------------------------------------------------------------------
@@ -173,6 +176,7 @@ class Scheduler:
         plan = StepPlan(finished_request_ids=self._finished_ids)
         self._finished_ids = []
         self._expire_pins()
+        self._note_interactive_traffic()
         self._fill(plan)
         plan.tier_copies = self.blocks.take_tier_copies()  # every allocation of the step is made
         return plan
@@ -256,7 +260,14 @@ class Scheduler:
 
     def _may_shape(self) -> bool:
         return self.shaper.may_shape(self.load.has_unfinished(PriorityClass.INTERACTIVE),
-                                     self.load.has_unfinished(PriorityClass.BATCH))
+                                     self.load.has_unfinished(PriorityClass.BATCH), self._arrivals_expected)
+
+    def _note_interactive_traffic(self) -> None:
+        """Once a step: whether interactive requests may arrive (see StepShaper.expects_arrivals)."""
+        now = self.clock()
+        if self.load.has_unfinished(PriorityClass.INTERACTIVE):
+            self._interactive_seen_at = now
+        self._arrivals_expected = self.shaper.expects_arrivals(now - self._interactive_seen_at)
 
     def _open_shaped_budget(self, step: StepBuilder, interactive_demand: InteractiveDemand,
                             opened_for: PriorityClass = PriorityClass.BATCH) -> None:
@@ -613,6 +624,16 @@ class Scheduler:
         return TokenEvent(request.request_id, new_tokens, finish_reason(request.status),
                           request.num_prompt_tokens, request.num_output_tokens, request.num_cached_tokens,
                           logprobs=logprobs, prompt_logprobs=tuple(request.prompt_logprobs) if first else ())
+
+    def calibration_steps(self) -> Generator[StepPlan, None, None]:
+        """Timed steps for the cost model over free blocks (scheduling/calibration.py), one at a time: each
+        one's blocks come back when the next is asked for. Run with no step in between."""
+        for plan in calibration_plans(self.blocks, self.config.max_num_batched_tokens, self.config.max_num_seqs):
+            yield plan
+            self._finished_ids += [seq.request_id for seq in plan.sequences]  # the runner drops their state
+
+    def observe_calibration(self, plan: StepPlan, seconds: float) -> None:
+        self.shaper.cost_model.anchor(work_of(plan), seconds)
 
     def observe_step_time(self, plan: StepPlan, seconds: float) -> None:
         """How long the step of `plan` took, from schedule() to its events: the cost model learns from it."""

@@ -5,16 +5,19 @@ a cost per sequence (its sampling and bookkeeping), and an attention term, the c
 token reads. Swap copies are a fifth term. On a GPU the fixed and per-sequence costs dominate
 small steps; on a CPU the per-token cost does: the fit finds out which on the machine it runs on.
 
-It is refitted every few steps over a sliding window, by least squares that give outliers (a
-garbage collection, a page fault) less weight (Huber weights, a few reweighting rounds) and keep
-every coefficient non-negative (a negative cost would let the shaper add work for free). Its error
-is the median absolute relative error of the predictions made before each step, on the steps that
-followed them.
+Timed steps of each kind (scheduling/calibration.py) anchor it from the start: they are fitted at once
+and stay in every later fit, so the window's steps, often all of one kind, refine it without leaving the
+rest of the range to extrapolation. It is refitted every few steps over a sliding window, by least
+squares that give outliers (a garbage collection, a page fault) less weight (Huber weights, a few
+reweighting rounds) and keep every coefficient non-negative (a negative cost would let the shaper add
+work for free). Its error is the median absolute relative error of the predictions made before each
+step, on the steps that followed them.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 from statistics import median
 
@@ -73,9 +76,11 @@ class StepCostModel:
         self.refit_every = refit_every
         self.min_samples = min_samples
         self._samples: deque[tuple[tuple[float, ...], float]] = deque(maxlen=window)
+        self._anchors: list[tuple[tuple[float, ...], float]] = []  # calibration steps, kept in every fit
         self._errors: deque[float] = deque(maxlen=window)  # |predicted - measured| / measured
         self._since_fit = 0
         self.coefficients: CostCoefficients | None = None  # None until min_samples steps were seen
+        self.lone_decode_s: float | None = None  # the measured time of a step of one decode (a moving average)
         self.last_predicted_s: float | None = None
         self.last_measured_s: float | None = None
         # Median |predicted - measured| / measured over the recent predictions, as of the last refit (the
@@ -88,11 +93,25 @@ class StepCostModel:
     def forget(self) -> None:
         """Drop every step seen: they were run by another forward (the eager one, before the compiled one
         took over), and a fit over both would predict neither. Nothing is predicted until min_samples
-        steps of the new forward have been seen."""
+        steps of the new forward have been seen (or it is calibrated again)."""
         self._samples.clear()
+        self._anchors.clear()
         self._errors.clear()
         self._since_fit = 0
-        self.coefficients = self.median_error = None
+        self.coefficients = self.median_error = self.lone_decode_s = None
+
+    def anchor(self, work: StepWork, measured_s: float) -> None:
+        """Record a calibration step; the model is refitted once it has seen enough: steps of several kinds
+        chosen to pin every term, so fewer than min_samples served steps."""
+        self._anchors.append((work.terms(), measured_s))
+        self._note_lone_decode(work, measured_s)
+        if len(self._anchors) >= 2 * NUM_TERMS or len(self._anchors) + len(self._samples) >= self.min_samples:
+            self.coefficients = fit([*self._anchors, *self._samples])
+            self._since_fit = 0
+
+    @property
+    def num_anchors(self) -> int:
+        return len(self._anchors)
 
     def observe(self, work: StepWork, measured_s: float) -> None:
         """Record a step that took measured_s; its prediction, if there was one, counts toward the error."""
@@ -100,18 +119,28 @@ class StepCostModel:
         if predicted is not None and measured_s > 0:
             self._errors.append(abs(predicted - measured_s) / measured_s)
         self.last_predicted_s, self.last_measured_s = predicted, measured_s
+        self._note_lone_decode(work, measured_s)
         self._samples.append((work.terms(), measured_s))
         self._since_fit += 1
-        if len(self._samples) >= self.min_samples and (self.coefficients is None
-                                                        or self._since_fit >= self.refit_every):
-            self.coefficients = fit(self._samples)
+        if len(self._samples) + len(self._anchors) >= self.min_samples and (
+                self.coefficients is None or self._since_fit >= self.refit_every):
+            self.coefficients = fit([*self._anchors, *self._samples])
             self._since_fit = 0
             self.median_error = median(self._errors) if self._errors else None
         elif self.median_error is None and self._errors:  # the first predictions: do not wait for a refit
             self.median_error = median(self._errors)
 
 
-def fit(samples: deque[tuple[tuple[float, ...], float]], rounds: int = 3) -> CostCoefficients:
+    def _note_lone_decode(self, work: StepWork, measured_s: float) -> None:
+        """A lone decode's time is measured, not predicted: steps are not linear in their tokens on every
+        machine (a CPU's kernels change with the row count), and the line fitted through every kind of
+        step can miss the smallest one by 2x."""
+        if work.tokens == 1 and work.sequences == 1 and not work.swapped_blocks:
+            last = self.lone_decode_s
+            self.lone_decode_s = measured_s if last is None else 0.8 * last + 0.2 * measured_s
+
+
+def fit(samples: Sequence[tuple[tuple[float, ...], float]], rounds: int = 3) -> CostCoefficients:
     terms = np.array([s[0] for s in samples], dtype=np.float64)
     times = np.array([s[1] for s in samples], dtype=np.float64)
     weights = np.ones(len(times))

@@ -10,12 +10,21 @@ skips the step. `batch_min_share` is a floor shaping never takes from batch.
 
 The target is `interactive_itl_target_s` when set (then long interactive prefill chunks are shaped
 too, with at least one block each step so they progress), otherwise `interactive_itl_slack` times
-the predicted time of the interactive work alone: what the stream would see without batch work,
-plus a margin. With no interactive request active, or before the model has seen enough steps,
-nothing is shaped, and neither is batch work in a step that holds no interactive work (the
-unfinished interactive requests then all wait on something else, maybe on this batch work). A
-per-tenant or per-request target would be the smallest target among the step's interactive
-requests, passed where `_target_s` is computed.
+the predicted time of the interactive work alone (what the stream would see without batch work, plus
+a margin), and at least `interactive_itl_decodes` times a lone decode step's measured time: a few
+interactive streams then leave batch work a share of each step (their gap stays within that multiple
+of a lone stream's), where the slack alone would starve it. A step that computes an interactive prompt
+is held to `interactive_ttft_slack` times its interactive work instead: the prompt's first token waits
+for no batch work, and the streams beside it wait for that prompt alone. Before the model has seen
+enough steps nothing is shaped; with no interactive request active, only the arrival budget holds.
+
+The arrival budget: an interactive request that arrives while a step runs waits for that step to end, so
+while interactive traffic may arrive (some was unfinished within `arrival_window_s`, or always), no step
+is predicted past `arrival_budget_s`: a batch flood's steps are cut to it even when no interactive
+request is active (the unfinished ones may all wait on something else, maybe on this batch work), and
+an arriving request is in the next step. Derived, it is `arrival_budget_decodes` times a lone decode
+step's measured time, so it scales with the machine. The first batch chunk of a step always gets a
+block, so batch work moves whatever the budget.
 """
 
 from __future__ import annotations
@@ -33,7 +42,12 @@ from scheduling.step_cost import ATTENTION_UNIT, StepCostModel, StepWork
 class ShapingConfig:
     enabled: bool = True
     interactive_itl_target_s: float | None = None  # a fixed target; None derives it from the interactive work
-    interactive_itl_slack: float = 1.1  # the derived target: this times the interactive work's predicted time
+    interactive_itl_slack: float = 1.1  # the derived target: this times the interactive work's predicted time,
+    interactive_itl_decodes: float = 2.0  # and at least this times a lone decode step's measured time
+    interactive_ttft_slack: float = 1.0  # a step starting an interactive prompt: this times its interactive work
+    arrival_budget_s: float | None = None  # a fixed arrival budget; None derives it as below
+    arrival_budget_decodes: float = 4.0  # the derived budget: this times a lone decode step's predicted time
+    arrival_window_s: float | None = 10.0  # after the last interactive work; None: always expect arrivals
 
 
 @dataclass(slots=True)
@@ -55,13 +69,35 @@ class StepShaper:
             return True
         return self.config.interactive_itl_target_s is not None and request.num_uncomputed_tokens > 1
 
-    def may_shape(self, interactive_active: bool, batch_unfinished: bool) -> bool:
+    def may_shape(self, interactive_active: bool, batch_unfinished: bool, arrivals_expected: bool = False) -> bool:
         """Whether this step can shape anything at all: when not, `fit` grants every request what it
         wants, and the scheduler skips asking for each one (and counting the work of the interactive
         requests waiting). Under a derived target only batch work is shaped, so with no batch request
-        unfinished nothing is."""
-        return (self.config.enabled and self.cost_model.coefficients is not None and interactive_active
-                and (batch_unfinished or self.config.interactive_itl_target_s is not None))
+        unfinished nothing is; with no interactive request active, only batch work within the arrival
+        budget, while arrivals are expected."""
+        if not self.config.enabled or self.cost_model.coefficients is None:
+            return False
+        if not interactive_active:
+            return arrivals_expected and batch_unfinished
+        return batch_unfinished or self.config.interactive_itl_target_s is not None
+
+    def expects_arrivals(self, seconds_since_interactive: float) -> bool:
+        """Whether interactive requests may arrive, given how long ago one was last unfinished."""
+        window = self.config.arrival_window_s
+        return window is None or seconds_since_interactive <= window
+
+    def arrival_budget_s(self) -> float | None:
+        coefficients = self.cost_model.coefficients
+        if coefficients is None:
+            return None
+        if self.config.arrival_budget_s is not None:
+            return self.config.arrival_budget_s
+        lone_decode_s = self.cost_model.lone_decode_s
+        if lone_decode_s is None:
+            lone_decode = StepWork()
+            lone_decode.add_sequence(1, self.block_size)
+            lone_decode_s = coefficients.predict(lone_decode)
+        return self.config.arrival_budget_decodes * lone_decode_s
 
     def add_demand(self, demand: StepWork, num_new: int, start_position: int) -> None:
         """Count a waiting interactive request's coming chunk in the work the budget is opened after: all
@@ -83,19 +119,27 @@ class StepShaper:
         if not may_shape or coefficients is None:
             return
         interactive = combined(work_of(step.plan, swaps=False), interactive_demand, len(step.plan.swap_out))
-        if not interactive.sequences and opened_for is PriorityClass.BATCH:
-            # Only batch work is coming: the unfinished interactive requests all wait on something else
-            # (their KV share, say). There is nothing to protect, and a budget could leave batch no token
-            # at all (a derived target is 1.1x an empty step's fixed cost, a fixed one may be below it):
-            # nothing would ever move.
-            return
         predicted = coefficients.predict(interactive)
-        step.shaped_time_left_s = max(0.0, self._target_s(predicted) - predicted)
+        arrival_budget = self.arrival_budget_s() or 0.0
+        if not interactive.sequences and opened_for is PriorityClass.BATCH:
+            # Only batch work is coming: no stream is decoding, so only arrivals are protected (may_shape
+            # said whether any are expected). The first batch chunk gets a block whatever the budget.
+            step.shaped_time_left_s = max(0.0, arrival_budget - predicted)
+        else:
+            target = self._target_s(predicted)
+            if self.config.interactive_itl_target_s is None and _starts_a_prompt(step, interactive_demand):
+                target = min(target, self.config.interactive_ttft_slack * predicted)
+            target = min(target, max(arrival_budget, predicted))
+            step.shaped_time_left_s = max(0.0, target - predicted)
         self.counters.shaped_steps += 1
 
     def _target_s(self, interactive_predicted_s: float) -> float:
         fixed = self.config.interactive_itl_target_s
-        return fixed if fixed is not None else self.config.interactive_itl_slack * interactive_predicted_s
+        if fixed is not None:
+            return fixed
+        lone_decode_s = self.cost_model.lone_decode_s or 0.0
+        return max(self.config.interactive_itl_slack * interactive_predicted_s,
+                   self.config.interactive_itl_decodes * lone_decode_s)
 
     def fit(self, step: StepBuilder, request: Request, wanted: int, swap_in_blocks: int = 0) -> int:
         """How many of the wanted tokens the request may compute in this step, and take their time."""
@@ -119,9 +163,12 @@ class StepShaper:
         return granted
 
     def _floor(self, step: StepBuilder, request: Request, wanted: int) -> int:
-        """What shaping never takes: batch_min_share's tokens for batch; a block's worth for an
+        """What shaping never takes: batch_min_share's tokens for batch, and a block's worth for the first
+        batch chunk of a step that holds nothing else (batch work always moves); a block's worth for an
         interactive prefill under a fixed target, so it always progresses."""
         if request.priority is PriorityClass.BATCH:
+            if not step.plan.sequences:
+                return min(wanted, self.block_size)
             return min(wanted, max(0, step.batch_floor_tokens - step.batch_tokens))
         return min(wanted, self.block_size)
 
@@ -129,6 +176,12 @@ class StepShaper:
         """Feed the model a step the executor ran: what it held, and how long it took."""
         if plan.sequences:
             self.cost_model.observe(work_of(plan), seconds)
+
+
+def _starts_a_prompt(step: StepBuilder, interactive_demand: StepWork) -> bool:
+    """Whether the step computes an interactive prompt chunk: a waiting request's (counted in the demand)
+    or a running one's (in the plan before any shaped work; a decode is one token)."""
+    return interactive_demand.sequences > 0 or any(len(seq.token_ids) > 1 for seq in step.plan.sequences)
 
 
 def combined(work: StepWork, other: StepWork, swapped_blocks: int) -> StepWork:

@@ -93,10 +93,15 @@ def scheduler_config_of(settings: Settings) -> SchedulerConfig:
 
 
 def shaping_config_of(settings: Settings) -> ShapingConfig:
-    target_ms = settings.interactive_itl_target_ms
+    target_ms, arrival_ms = settings.interactive_itl_target_ms, settings.interactive_arrival_budget_ms
     return ShapingConfig(enabled=settings.step_shaping,
                          interactive_itl_target_s=None if target_ms is None else target_ms / 1000,
-                         interactive_itl_slack=settings.interactive_itl_slack)
+                         interactive_itl_slack=settings.interactive_itl_slack,
+                         interactive_itl_decodes=settings.interactive_itl_decodes,
+                         interactive_ttft_slack=settings.interactive_ttft_slack,
+                         arrival_budget_s=None if arrival_ms is None else arrival_ms / 1000,
+                         arrival_budget_decodes=settings.interactive_arrival_budget_decodes,
+                         arrival_window_s=settings.interactive_arrival_window_s)
 
 
 def tenants_of(settings: Settings) -> TenantRegistry:
@@ -123,4 +128,5 @@ def build_engine(settings: Settings, loaded: LoadedModel | None = None, tenants:
     scheduler = Scheduler(scheduler_config_of(settings), runner.geometry, tenants)
     return Engine(scheduler, runner, max_queued_requests=settings.max_queued_requests,
                   batch_queue_fraction=settings.batch_queue_fraction,
-                  stall_after_s=settings.engine_stall_s, step_thread=step_thread), runner
+                  stall_after_s=settings.engine_stall_s, step_thread=step_thread,
+                  calibrate=settings.step_shaping), runner

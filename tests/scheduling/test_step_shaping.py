@@ -183,7 +183,7 @@ def test_batch_keeps_its_floor_under_shaping() -> None:
 
 
 def test_without_interactive_work_batch_gets_whole_steps_again() -> None:
-    sim = Simulation(ShapingConfig())
+    sim = Simulation(ShapingConfig(arrival_window_s=0.0))  # no arrivals expected once interactive work ends
     shaped_steps(sim)
     running_batch = sum(r.priority is BATCH for r in sim.scheduler.running)
     plan = sim.step()

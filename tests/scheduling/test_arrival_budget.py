@@ -1,0 +1,143 @@
+"""Interactive latency under a batch flood, on the simulated executor: while interactive requests may
+arrive, no step is predicted past the arrival budget, so an arriving request is in the next step; and a
+cost model calibrated before the first step shapes as one warmed by served steps."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from benchmarks.fake_executors import FakeExecutor, LinearStepCost
+from contract.plan import SamplingParams, ScheduledSequence, StepPlan
+from scheduling.engine import Engine
+from scheduling.request import PriorityClass, Request
+from scheduling.scheduler import Scheduler, SchedulerConfig
+from scheduling.step_shaper import ShapingConfig, work_of
+from tests.factories import collect, make_request, make_scheduler, running, wait_until
+
+BATCH, INTERACTIVE = PriorityClass.BATCH, PriorityClass.INTERACTIVE
+COST = LinearStepCost(overhead_s=0.010, per_token_s=0.002)  # a 128-token step: 266 ms; a decode: 12 ms
+
+
+class VirtualClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Flood:
+    """A scheduler over a batch backlog of long prompts, fed its step times as the engine feeds real ones,
+    on a virtual clock that advances by each step's cost."""
+
+    def __init__(self, shaping: ShapingConfig, calibrate: bool = True) -> None:
+        self.clock = VirtualClock()
+        config = SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=128, shaping=shaping)
+        self.scheduler: Scheduler = make_scheduler(config, num_device_blocks=1024, num_cpu_blocks=256)
+        self.scheduler.clock = self.clock
+        self.executor = FakeExecutor(self.scheduler.geometry, COST)
+        self.rng = random.Random(3)
+        self.batch: list[Request] = []
+        if calibrate:
+            for plan in self.scheduler.calibration_steps():
+                self.scheduler.observe_calibration(plan, COST.seconds(plan))
+
+    def top_up(self, backlog: int = 16) -> None:
+        self.batch = [r for r in self.batch if not r.status.is_finished]
+        while len(self.batch) < backlog:
+            request = make_request(self.rng.randint(100, 300), self.rng.randint(8, 32), priority=BATCH)
+            self.scheduler.add_request(request)
+            self.batch.append(request)
+
+    def step(self) -> tuple[float | None, float]:
+        """One step: its predicted and its simulated time."""
+        self.top_up()
+        plan = self.scheduler.schedule()
+        predicted = self.scheduler.shaper.cost_model.predict(work_of(plan))
+        seconds = COST.seconds(plan)
+        self.scheduler.update(plan, self.executor.execute(plan))
+        self.scheduler.observe_step_time(plan, seconds)
+        self.clock.now += seconds
+        return predicted, seconds
+
+    def chat(self) -> Request:
+        request = make_request(40, 8, priority=INTERACTIVE)
+        self.scheduler.add_request(request)
+        return request
+
+
+def budget_of(flood: Flood) -> float:
+    budget = flood.scheduler.shaper.arrival_budget_s()
+    assert budget is not None
+    return budget
+
+
+def test_a_batch_flood_keeps_every_step_within_the_arrival_budget_while_interactive_may_arrive() -> None:
+    flood = Flood(ShapingConfig(arrival_window_s=None))  # always expect arrivals
+    budget = budget_of(flood)
+    assert budget == pytest.approx(4 * COST.seconds(_tokens(1)), rel=0.05)
+    times = [flood.step()[1] for _ in range(60)]
+    one_block = COST.overhead_s + COST.per_token_s * flood.scheduler.geometry.block_size
+    assert all(t <= max(budget, one_block) * 1.05 for t in times), max(times)
+    assert sum(r.num_computed_tokens for r in flood.batch) > 0  # the flood moves
+
+    chat = flood.chat()
+    flood.step()
+    assert chat.num_output_tokens == 1  # in the very next step: nothing long ran before it
+
+
+def test_without_expected_arrivals_a_flood_gets_whole_steps() -> None:
+    flood = Flood(ShapingConfig(arrival_window_s=0.0))
+    times = [flood.step()[1] for _ in range(20)]
+    assert max(times) == pytest.approx(COST.seconds(_tokens(128)), rel=0.01)
+
+
+def test_arrivals_are_expected_for_the_window_after_interactive_work_then_not() -> None:
+    flood = Flood(ShapingConfig(arrival_window_s=5.0))
+    chat = flood.chat()
+    while not chat.status.is_finished:
+        flood.step()
+    budget = budget_of(flood)
+    finished_at = flood.clock.now
+    while flood.clock.now - finished_at < 4.0:
+        assert flood.step()[1] <= max(budget, 0.05) * 1.05  # still expecting one
+    while flood.clock.now - finished_at <= 5.0:
+        flood.step()
+    assert max(flood.step()[1] for _ in range(10)) > 2 * budget  # the window is over: whole steps again
+
+
+def test_a_calibrated_cost_model_predicts_as_a_warm_one_from_the_first_step() -> None:
+    fresh = Flood(ShapingConfig(), calibrate=True)
+    coefficients = fresh.scheduler.shaper.cost_model.coefficients
+    assert coefficients is not None  # before any step was served
+    assert coefficients.fixed_s == pytest.approx(COST.overhead_s, rel=0.05)
+    assert coefficients.per_token_s == pytest.approx(COST.per_token_s, rel=0.05)
+    assert fresh.scheduler.blocks.device.num_free == fresh.scheduler.blocks.device.num_blocks  # blocks back
+
+    uncalibrated = Flood(ShapingConfig(), calibrate=False)
+    assert uncalibrated.scheduler.shaper.cost_model.coefficients is None
+    chat = fresh.chat()
+    chat_of_uncalibrated = uncalibrated.chat()
+    predicted, seconds = fresh.step()  # the first step shares the chat's prefill with batch chunks: shaped
+    assert predicted == pytest.approx(seconds, rel=0.05)
+    _, unshaped = uncalibrated.step()  # nothing to predict with: batch work fills the step
+    assert chat.num_output_tokens == 1 and chat_of_uncalibrated.num_output_tokens == 1
+    assert seconds < unshaped
+
+
+async def test_the_engine_calibrates_before_its_first_request() -> None:
+    scheduler = make_scheduler(SchedulerConfig(max_num_batched_tokens=256), num_device_blocks=256)
+    executor = FakeExecutor(scheduler.geometry, COST)
+    async with running(Engine(scheduler, executor, calibrate=True)) as engine:
+        await wait_until(lambda: scheduler.shaper.cost_model.coefficients is not None)
+        assert executor.tally.num_steps >= 8
+        events = await collect(engine.submit(make_request(16, 4)))
+        assert sum(len(e.new_token_ids) for e in events) == 4
+        await wait_until(lambda: not scheduler.has_work() and not scheduler.has_untold_finishes)
+    assert scheduler.blocks.device.num_free == scheduler.blocks.device.num_blocks
+
+
+def _tokens(count: int) -> StepPlan:
+    return StepPlan([ScheduledSequence("r", [1] * count, 16, (0,), True, SamplingParams())])

@@ -23,6 +23,7 @@ from benchmarks import (
     bench_preemption,
     bench_prefix,
     bench_quality,
+    bench_queue_order,
     bench_scheduler,
     bench_startup,
     bench_stream,
@@ -35,7 +36,7 @@ BENCH_COMMANDS: tuple[SubcommandRegistrar, ...] = (
     bench_engine.add_command, bench_stream.add_command, bench_prefix.add_command, bench_fairness.add_command,
     bench_preemption.add_command, bench_scheduler.add_command, bench_quality.add_command, bench_serve.add_command,
     bench_cluster.add_command, bench_lora.add_command, bench_compile.add_command,
-    bench_startup.add_command, bench_kernels.add_command, make_checkpoint.add_command)
+    bench_startup.add_command, bench_kernels.add_command, bench_queue_order.add_command, make_checkpoint.add_command)
 
 
 def add_bench_command(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

@@ -422,6 +422,7 @@ class Engine(EngineFront):
                                        for name, t in s.tiers.items()}},
             "tenants": tenant_stats(s),
             "step_cost": step_cost_stats(s.step_cost),
+            "output_lengths": {"rank_correlation": s.output_length_rank_correlation},
             "steps": self.times.steps,
             "forward_seconds": round(self.times.forward_seconds, 6),
             "forward_recompilations": self.times.recompilations,

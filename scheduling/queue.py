@@ -13,6 +13,7 @@ from collections.abc import Container, Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Protocol
 
+from scheduling.queue_order import QueueOrder, TenantLine
 from scheduling.request import Request
 from tenancy.vtc import VirtualTokenCounter
 
@@ -82,7 +83,8 @@ class FCFSQueue:
 
 
 class VTCQueue:
-    """FIFO per tenant; across tenants, the smallest virtual token counter goes first.
+    """Across tenants, the smallest virtual token counter goes first; within a tenant, its line's order
+    (scheduling/queue_order.py: first come, first served unless another is chosen).
 
     A lazy min-heap of (counter, tiebreak, tenant): counters only grow, so an entry whose counter is
     out of date is refreshed when it reaches the top. Selection is O(log tenants) amortized. A tenant
@@ -90,9 +92,10 @@ class VTCQueue:
     pushing another (entries would otherwise pile up, one per refill, and every peek would walk them).
     """
 
-    def __init__(self, counter: VirtualTokenCounter) -> None:
+    def __init__(self, counter: VirtualTokenCounter, order: QueueOrder | None = None) -> None:
         self._counter = counter
-        self._per_tenant: dict[str, deque[Request]] = {}
+        self._order = order
+        self._per_tenant: dict[str, TenantLine] = {}
         self._heap: list[tuple[float, int, str]] = []
         self._tiebreak = itertools.count()
         self._size = 0
@@ -104,10 +107,10 @@ class VTCQueue:
         heapq.heappush(self._heap, (self._counter.get(tenant_id), next(self._tiebreak), tenant_id))
         self._in_heap.add(tenant_id)
 
-    def _line(self, request: Request) -> deque[Request]:
+    def _line(self, request: Request) -> TenantLine:
         line = self._per_tenant.get(request.tenant_id)
         if line is None:
-            line = self._per_tenant[request.tenant_id] = deque()
+            line = self._per_tenant[request.tenant_id] = TenantLine(self._order)
             if request.tenant_id not in self._in_heap:
                 self._push(request.tenant_id)
         return line
@@ -147,7 +150,7 @@ class VTCQueue:
             elif tenant_id in exclude:
                 passed_over.append(heapq.heappop(self._heap))
             else:
-                found = line[0]
+                found = line.first()
                 break
         if self._set_aside is None:
             for entry in passed_over:
@@ -174,9 +177,11 @@ class VTCQueue:
         return itertools.chain.from_iterable(self._per_tenant.values())
 
 
-def create_request_queue(policy: str, counter: VirtualTokenCounter) -> RequestQueue:
+def create_request_queue(policy: str, counter: VirtualTokenCounter, order: QueueOrder | None = None
+                         ) -> RequestQueue:
+    """`order` picks within each tenant's line under vtc (None: first come, first served)."""
     if policy == "fcfs":
         return FCFSQueue()
     if policy == "vtc":
-        return VTCQueue(counter)
+        return VTCQueue(counter, order)
     raise ValueError(f"unknown queue policy '{policy}' (fcfs or vtc)")

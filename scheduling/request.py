@@ -96,6 +96,10 @@ class Request:
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # for prompt positions 1.., when asked
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    # When its first token is due (the clock of `arrival_time`), if the client set a TTFT deadline: its
+    # tenant's line orders such requests by slack (scheduling/queue_order.py).
+    ttft_deadline: float | None = None
+    predicted_output_tokens: int = 0  # set by the scheduler when the request arrives (output_lengths.py)
     adapter: LoraRef | None = None  # the LoRA adapter the request runs on; None for the base model
     lora_slot: int = BASE_MODEL_SLOT  # the device slot its adapter sits in while it runs (the scheduler's)
     # len(prompt_token_ids), kept as a plain attribute: the scheduler reads it for every running request

@@ -28,8 +28,10 @@ from scheduling.cache_tiers import LowerTiers
 from scheduling.calibration import calibration_plans
 from scheduling.interactive_room import NOTHING_OWED, RoomCount, RoomOwed, room_owed
 from scheduling.lora_residency import LoraResidency
+from scheduling.output_lengths import OutputLengths
 from scheduling.preemption import PreemptionEvent, PreemptionMode, choose_victim, victims_in_order
 from scheduling.queue import RequestQueue, create_request_queue
+from scheduling.queue_order import OrderContext, QueueOrder, QueueOrderName
 from scheduling.request import PriorityClass, Request, RequestId, RequestStatus, TokenEvent, finish_reason
 from scheduling.snapshot import BlockUse, ClassLoad, SchedulerSnapshot, StepCostStats, TierStats
 from scheduling.step_builder import StepBuilder
@@ -62,6 +64,8 @@ class SchedulerConfig:
     max_num_seqs: int = 64  # sequences in one step
     max_num_batched_tokens: int = 512  # tokens in one step, decodes and prefill chunks together
     queue_policy: str = "vtc"  # vtc (weighted fair per tenant) or fcfs
+    queue_order: QueueOrderName = "hrrn"  # within a tenant's line under vtc (scheduling/queue_order.py)
+    queue_aging_s: float = 90.0  # hrrn, srpt, lpm: a request waiting this long goes first
     preemption_mode: str = "swap"  # swap (recompute when the CPU pool is full) or recompute
     batch_min_share: float = 0.0  # share of each step's tokens kept for batch when it has work
     service_weights: ServiceWeights = field(default_factory=ServiceWeights)
@@ -110,8 +114,12 @@ class Scheduler:
         self.blocks = KVBlockManager(geometry.num_device_blocks, geometry.num_cpu_blocks, geometry.block_size,
                                      config.enable_prefix_caching, tiers, self.pins)
         self.vtc = {c: VirtualTokenCounter(config.service_weights, self.tenants.weight) for c in CLASSES}
+        self.output_lengths = OutputLengths()
+        self.shaper = StepShaper(config.shaping, geometry.block_size)
+        order = QueueOrder(config.queue_order, OrderContext(clock, self._predicted_work, self._cached_prefix_tokens,
+                                                            self._token_s, config.queue_aging_s))
         self.waiting: dict[PriorityClass, RequestQueue] = {
-            c: create_request_queue(config.queue_policy, self.vtc[c]) for c in CLASSES}
+            c: create_request_queue(config.queue_policy, self.vtc[c], order) for c in CLASSES}
         self.running: list[Request] = []
         self.swapped: list[Request] = []
         self.requests: dict[RequestId, Request] = {}
@@ -121,7 +129,6 @@ class Scheduler:
         self.limits = TenantLimits(self.tenants, self.load, self.blocks, self.waiting, geometry.num_device_blocks,
                                    config.kv_share_limit)
         self.admission = AdmissionRule(self.limits, self.blocks)
-        self.shaper = StepShaper(config.shaping, geometry.block_size)
         self._finished_ids: list[str] = []  # told to the runner with the next plan
         self._interactive_seen_at = float("-inf")  # when an interactive request was last unfinished
         self._arrivals_expected = False
@@ -149,8 +156,21 @@ class Scheduler:
         if backlogged is not None:  # newly backlogged: no banked credit for idle time
             self.vtc[request.priority].lift(request.tenant_id, backlogged)
         request.status = RequestStatus.WAITING
+        request.predicted_output_tokens = self.output_lengths.predict(request)
         self.requests[request.request_id] = request
         self.waiting[request.priority].add(request)
+
+    def _predicted_work(self, request: Request) -> float:
+        """Tokens still to compute: its prompt's (or a recomputed request's whole context) and the output
+        predicted beyond what it has."""
+        return request.num_uncomputed_tokens + max(0, request.predicted_output_tokens - request.num_output_tokens)
+
+    def _cached_prefix_tokens(self, request: Request) -> int:
+        return len(self.blocks.cached_prefix(request)) * self.geometry.block_size
+
+    def _token_s(self) -> float:
+        coefficients = self.shaper.cost_model.coefficients
+        return coefficients.per_token_s if coefficients is not None and coefficients.per_token_s > 0 else 1e-3
 
     def finish_request(self, request_id: RequestId, status: RequestStatus) -> TokenEvent | None:
         """End a request from outside (abort, or a stop string seen by the API layer)."""
@@ -615,6 +635,8 @@ class Scheduler:
             self.counters.num_aborted += 1
         else:
             self.counters.num_finished += 1
+        if status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH):  # ended by itself
+            self.output_lengths.observe(request)
         return finish_reason(status)
 
     @staticmethod
@@ -662,6 +684,7 @@ class Scheduler:
             bytes_per_block=self.geometry.bytes_per_block, num_finished=c.num_finished, num_aborted=c.num_aborted,
             step_cost=self._step_cost_stats(),
             tiers=self._tier_stats(),
+            output_length_rank_correlation=self.output_lengths.rank_correlation,
         )
 
     def _tier_stats(self) -> Mapping[str, TierStats]:

@@ -77,6 +77,8 @@ class SchedulerSnapshot:
     num_aborted: int = 0
     step_cost: StepCostStats = field(default_factory=StepCostStats)
     tiers: Mapping[str, TierStats] = field(default_factory=lambda: MappingProxyType({}))  # "host", "disk" when set
+    # Spearman's rho of predicted against actual output lengths, recent requests (scheduling/output_lengths.py)
+    output_length_rank_correlation: float | None = None
 
     @property
     def running(self) -> int:

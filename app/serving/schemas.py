@@ -11,6 +11,7 @@ stream is the hot path.
 
 from __future__ import annotations
 
+import math
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -188,6 +189,10 @@ def refuse_unless_default(body: BaseModel, defaults: dict[str, tuple[Any, str]])
             raise Unsupported(f"'{name}' is not supported by this server: {why}", name)
 
 
+TTFT_DEADLINE_KEY = "ttft_deadline_ms"
+MAX_TTFT_DEADLINE_MS = 3_600_000
+
+
 class GenerationBody(StrictModel):
     """The fields the chat and completions endpoints share."""
 
@@ -223,6 +228,27 @@ class GenerationBody(StrictModel):
     prompt_cache_key: str | None = None  # the prefix cache finds shared prefixes by itself
     safety_identifier: str | None = None
     store: bool | None = None
+
+    @field_validator("metadata")
+    @classmethod
+    def _deadline_is_a_duration(cls, metadata: dict[str, str] | None) -> dict[str, str] | None:
+        raw = (metadata or {}).get(TTFT_DEADLINE_KEY)
+        if raw is not None:
+            try:
+                value = float(raw)
+            except ValueError:
+                value = math.nan
+            if not 0 < value <= MAX_TTFT_DEADLINE_MS:
+                raise ValueError(f"'{TTFT_DEADLINE_KEY}' must be milliseconds in (0, {MAX_TTFT_DEADLINE_MS}], "
+                                 f"got {raw!r}")
+        return metadata
+
+    @property
+    def ttft_deadline_ms(self) -> float | None:
+        """The client's TTFT deadline (metadata `ttft_deadline_ms`): its first token is due this long after
+        it arrives, and its tenant's line orders it by slack."""
+        raw = (self.metadata or {}).get(TTFT_DEADLINE_KEY)
+        return None if raw is None else float(raw)
 
     @field_validator("stop")
     @classmethod

@@ -12,6 +12,7 @@ rendering and the whole prompt: exactly the tokens the two share, which is what 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Coroutine, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
@@ -189,6 +190,7 @@ class ChoiceStarter:
         adapter = adapter_of(self.context.adapters, body.model, self.context.model_name, tenant)
         salt = tenant.cache_salt_for(body.cache_salt, None if adapter is None else adapter.cache_key)
         per_prompt = body.num_generations
+        deadline = self._ttft_deadline(body, tenant, priority)
         requests = []
         for index in range(len(prompts) * per_prompt):
             prompt = prompts[index // per_prompt]
@@ -198,8 +200,18 @@ class ChoiceStarter:
             requests.append(EngineRequest(RequestId(request_id), prompt, self._max_tokens(body, len(prompt)), seeded,
                                           stop_token_ids=stop_token_ids, tenant_id=tenant.tenant_id,
                                           priority=priority, cache_salt=salt, adapter=adapter,
-                                          cache_pin_tokens=cache_pin.num_tokens, cache_pin_ttl_s=cache_pin.ttl_s))
+                                          cache_pin_tokens=cache_pin.num_tokens, cache_pin_ttl_s=cache_pin.ttl_s,
+                                          ttft_deadline=deadline))
         return requests
+
+    @staticmethod
+    def _ttft_deadline(body: GenerationBody, tenant: Tenant, priority: PriorityClass) -> float | None:
+        """When the first token is due: the request's own deadline, else its tenant's TTFT target for an
+        interactive request (on the engine's clock, time.monotonic)."""
+        deadline_ms = body.ttft_deadline_ms
+        if deadline_ms is None and priority is PriorityClass.INTERACTIVE:
+            deadline_ms = tenant.limits.ttft_target_ms
+        return None if deadline_ms is None else time.monotonic() + deadline_ms / 1000
 
     def _stop_token_ids(self, body: GenerationBody) -> frozenset[int]:
         requested = frozenset(body.stop_token_ids or ())

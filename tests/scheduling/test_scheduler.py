@@ -220,7 +220,7 @@ def test_stop_token_finishes_with_stop() -> None:
 
 
 def waiting_behind_another() -> tuple[Scheduler, FakeExecutor, Request]:
-    scheduler = make_scheduler(SchedulerConfig(max_num_seqs=1))
+    scheduler = make_scheduler(SchedulerConfig(max_num_seqs=1, queue_order="fcfs"))
     executor = FakeExecutor(scheduler.geometry)
     first, second = make_request(4, max_tokens=20), make_request(8, max_tokens=4)
     add(scheduler, first, second)

@@ -1,0 +1,120 @@
+"""The order inside one tenant's waiting line: which of its requests goes first. Across tenants the
+weighted fair queue (VTC, scheduling/queue.py) decides, unchanged; this only picks within a tenant.
+
+- `fcfs`: first come, first served.
+- `hrrn`: highest response ratio next, (wait + predicted work) / predicted work: short requests go first,
+  and a long one's ratio grows as it waits. Below capacity that is enough; past it the short requests'
+  ratios grow too, and a long one can wait on and on.
+- `srpt`: shortest predicted work first.
+- `lpm`: the longest prefix already in the device cache first (its prompt is mostly computed, and its
+  blocks are shared before they are evicted). The cache is salted per tenant, and the line is one
+  tenant's, so a match never crosses tenants.
+Under each of the three, a request that has waited `aging_s` goes first (the oldest first): the bound on
+how long a long request can be passed over. `fairlane bench queue-order` measures them against FCFS on a
+mixed-length trace past capacity; its table chose the server's default (config/settings.py).
+
+Predicted work, in tokens: the prompt tokens still to compute plus the predicted output
+(scheduling/output_lengths.py). Whatever the order:
+- a request carrying a TTFT deadline goes before those without, least slack first (the deadline less
+  the time to its predicted first token);
+- a preempted request put back (`prepend`) goes before all the others: order alone preempts nothing,
+  and a request that had started keeps its place.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Literal
+
+from scheduling.request import Request
+
+QueueOrderName = Literal["fcfs", "hrrn", "srpt", "lpm"]
+QUEUE_ORDERS: tuple[QueueOrderName, ...] = ("fcfs", "hrrn", "srpt", "lpm")
+
+
+@dataclass(slots=True)
+class OrderContext:
+    """What an order reads besides the requests: the time, the predicted work, the cached prefix."""
+
+    clock: Callable[[], float]
+    predicted_work: Callable[[Request], float]  # tokens
+    cached_prefix_tokens: Callable[[Request], int]
+    token_s: Callable[[], float]  # seconds per token of work, to weigh waiting against work (HRRN, slack)
+    aging_s: float = 30.0
+
+
+class QueueOrder:
+    def __init__(self, name: QueueOrderName, context: OrderContext) -> None:
+        if name not in QUEUE_ORDERS:
+            raise ValueError(f"unknown queue order '{name}' (choose from {', '.join(QUEUE_ORDERS)})")
+        self.name = name
+        self.context = context
+
+    def first(self, requests: list[Request]) -> Request:
+        """The request of a non-empty line (in arrival order) to go first."""
+        with_deadline = [r for r in requests if r.ttft_deadline is not None]
+        if with_deadline:
+            return min(with_deadline, key=self._slack)
+        if self.name == "fcfs" or len(requests) == 1:
+            return requests[0]
+        now = self.context.clock()
+        if now - requests[0].arrival_time >= self.context.aging_s:
+            return requests[0]  # aged: the oldest goes first
+        if self.name == "hrrn":
+            return max(requests, key=lambda r: self._response_ratio(r, now))
+        if self.name == "srpt":
+            return min(requests, key=self.context.predicted_work)
+        return max(requests, key=self.context.cached_prefix_tokens)  # max keeps the earliest of equals
+
+    def _response_ratio(self, request: Request, now: float) -> float:
+        work_s = max(self.context.predicted_work(request), 1.0) * self.context.token_s()
+        return (now - request.arrival_time + work_s) / work_s
+
+    def _slack(self, request: Request) -> float:
+        assert request.ttft_deadline is not None
+        to_first_token_s = (request.num_prompt_tokens - request.num_computed_tokens) * self.context.token_s()
+        return request.ttft_deadline - self.context.clock() - to_first_token_s
+
+
+class TenantLine:
+    """One tenant's waiting requests: those put back after a preemption first, in the order they were
+    put back, then the rest as the queue order picks."""
+
+    def __init__(self, order: QueueOrder | None = None) -> None:
+        self._order = order  # None: first come, first served
+        self._put_back: deque[Request] = deque()
+        self._arrived: list[Request] = []  # in arrival order
+
+    def append(self, request: Request) -> None:
+        self._arrived.append(request)
+
+    def appendleft(self, request: Request) -> None:
+        self._put_back.appendleft(request)
+
+    def first(self) -> Request:
+        if self._put_back:
+            return self._put_back[0]
+        return self._arrived[0] if self._order is None else self._order.first(self._arrived)
+
+    def remove(self, request: Request) -> None:
+        if request in self._put_back:
+            self._put_back.remove(request)
+        else:
+            self._arrived.remove(request)
+
+    def __len__(self) -> int:
+        return len(self._put_back) + len(self._arrived)
+
+    def __iter__(self) -> Iterator[Request]:
+        """The line, the first request first (the others in arrival order)."""
+        if self._put_back:
+            yield from self._put_back
+            yield from self._arrived
+            return
+        if not self._arrived:
+            return
+        first = self.first()
+        yield first
+        yield from (r for r in self._arrived if r is not first)

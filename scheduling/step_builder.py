@@ -22,6 +22,7 @@ class StepBuilder:
     shaping_decided: bool = False
     batch_floor_tokens: int = 0  # batch_min_share's tokens, which shaping never takes from batch
     batch_tokens: int = 0
+    num_tokens: int = 0  # tokens the step computes so far
 
     def add(self, request: Request, num_new: int, block_table: tuple[int, ...] | None = None) -> None:
         """Schedule the request's next num_new tokens (a prefill chunk, a resume chunk or one decode), with
@@ -38,6 +39,7 @@ class StepBuilder:
             self._attach_tokens(sequence, request)
         self.plan.sequences.append(sequence)
         self.tokens_left -= num_new
+        self.num_tokens += num_new
         if request.priority is PriorityClass.BATCH:
             self.batch_tokens += num_new
 
@@ -52,6 +54,7 @@ class StepBuilder:
                 self._attach_tokens(sequence, request)
         self.plan.sequences += added
         self.tokens_left -= len(added)
+        self.num_tokens += len(added)
 
     @staticmethod
     def _attach_tokens(sequence: ScheduledSequence, request: Request) -> None:

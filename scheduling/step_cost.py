@@ -5,6 +5,12 @@ a cost per sequence (its sampling and bookkeeping), and an attention term, the c
 token reads. Swap copies are a fifth term. On a GPU the fixed and per-sequence costs dominate
 small steps; on a CPU the per-token cost does: the fit finds out which on the machine it runs on.
 
+A step's time is not one line on every machine: a CPU's kernels change with the row count (packed
+weight-only kernels below some rows, a dense copy above, on the default model a jump of 50 ms), so the
+line alone can miss a lone decode by 2x. The prediction is the line plus what it missed by lately for
+steps of about that many tokens: the median residual per power-of-two bucket of the token count,
+interpolated in the token count between the buckets seen.
+
 Timed steps of each kind (scheduling/calibration.py) anchor it from the start: they are fitted at once
 and stay in every later fit, so the window's steps, often all of one kind, refine it without leaving the
 rest of the range to extrapolation. It is refitted every few steps over a sliding window, by least
@@ -16,6 +22,7 @@ step, on the steps that followed them.
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -24,6 +31,7 @@ from statistics import median
 import numpy as np
 
 NUM_TERMS = 5  # fixed, tokens, sequences, attention, swapped blocks
+RESIDUALS_KEPT = 16  # per token-count bucket
 ATTENTION_UNIT = 1000.0  # context positions read per unit of the attention term, to keep terms of one scale
 
 
@@ -80,6 +88,12 @@ class StepCostModel:
         self._errors: deque[float] = deque(maxlen=window)  # |predicted - measured| / measured
         self._since_fit = 0
         self.coefficients: CostCoefficients | None = None  # None until min_samples steps were seen
+        # Per bucket of a step's token count (powers of two): the median of what the line's predictions
+        # missed by lately (a median: a garbage collection's pause moves it not at all). A CPU's kernels
+        # change with the row count (packed below some rows, dense above), so a step's time is not one
+        # line; the line plus its bucket's residual follows it. A bucket never seen takes its neighbours'.
+        self._missed: dict[int, deque[tuple[int, float]]] = {}  # (tokens, missed by) per bucket
+        self._residuals: dict[int, tuple[float, float]] = {}  # per bucket: (its steps' mean tokens, median missed)
         self.lone_decode_s: float | None = None  # the measured time of a step of one decode (a moving average)
         self.last_predicted_s: float | None = None
         self.last_measured_s: float | None = None
@@ -88,7 +102,14 @@ class StepCostModel:
         self.median_error: float | None = None
 
     def predict(self, work: StepWork) -> float | None:
-        return None if self.coefficients is None else self.coefficients.predict(work)
+        if self.coefficients is None:
+            return None
+        return max(0.0, self.coefficients.predict(work) + self.residual(work.tokens))
+
+    def residual(self, num_tokens: int) -> float:
+        """What the line misses by for a step of num_tokens tokens, lately: interpolated in the token
+        count between the buckets seen on each side (the nearest one's beyond the ends; 0 with none)."""
+        return _interpolated(self._residuals, num_tokens)
 
     def forget(self) -> None:
         """Drop every step seen: they were run by another forward (the eager one, before the compiled one
@@ -96,6 +117,8 @@ class StepCostModel:
         steps of the new forward have been seen (or it is calibrated again)."""
         self._samples.clear()
         self._anchors.clear()
+        self._missed.clear()
+        self._residuals.clear()
         self._errors.clear()
         self._since_fit = 0
         self.coefficients = self.median_error = self.lone_decode_s = None
@@ -108,6 +131,10 @@ class StepCostModel:
         if len(self._anchors) >= 2 * NUM_TERMS or len(self._anchors) + len(self._samples) >= self.min_samples:
             self.coefficients = fit([*self._anchors, *self._samples])
             self._since_fit = 0
+            self._missed.clear()
+            for terms, seconds in self._anchors:
+                anchor = StepWork(int(terms[1]), int(terms[2]), terms[3], int(terms[4]))
+                self._note_residual(anchor, seconds - self.coefficients.predict(anchor))
 
     @property
     def num_anchors(self) -> int:
@@ -120,6 +147,8 @@ class StepCostModel:
             self._errors.append(abs(predicted - measured_s) / measured_s)
         self.last_predicted_s, self.last_measured_s = predicted, measured_s
         self._note_lone_decode(work, measured_s)
+        if self.coefficients is not None:
+            self._note_residual(work, measured_s - self.coefficients.predict(work))
         self._samples.append((work.terms(), measured_s))
         self._since_fit += 1
         if len(self._samples) + len(self._anchors) >= self.min_samples and (
@@ -131,6 +160,12 @@ class StepCostModel:
             self.median_error = median(self._errors)
 
 
+    def _note_residual(self, work: StepWork, missed_s: float) -> None:
+        bucket = _bucket(work.tokens)
+        missed = self._missed.setdefault(bucket, deque(maxlen=RESIDUALS_KEPT))
+        missed.append((work.tokens, missed_s))
+        self._residuals[bucket] = (sum(t for t, _ in missed) / len(missed), median(m for _, m in missed))
+
     def _note_lone_decode(self, work: StepWork, measured_s: float) -> None:
         """A lone decode's time is measured, not predicted: steps are not linear in their tokens on every
         machine (a CPU's kernels change with the row count), and the line fitted through every kind of
@@ -138,6 +173,23 @@ class StepCostModel:
         if work.tokens == 1 and work.sequences == 1 and not work.swapped_blocks:
             last = self.lone_decode_s
             self.lone_decode_s = measured_s if last is None else 0.8 * last + 0.2 * measured_s
+
+
+def _bucket(num_tokens: int) -> int:
+    return max(0, num_tokens - 1).bit_length()
+
+
+def _interpolated(residuals: dict[int, tuple[float, float]], num_tokens: int) -> float:
+    if not residuals:
+        return 0.0
+    points = sorted(residuals.values())
+    if num_tokens <= points[0][0]:
+        return points[0][1]
+    for (low_tokens, low), (high_tokens, high) in itertools.pairwise(points):
+        if num_tokens <= high_tokens:
+            share = (num_tokens - low_tokens) / (high_tokens - low_tokens) if high_tokens > low_tokens else 1.0
+            return low + share * (high - low)
+    return points[-1][1]
 
 
 def fit(samples: Sequence[tuple[tuple[float, ...], float]], rounds: int = 3) -> CostCoefficients:

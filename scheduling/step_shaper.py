@@ -119,7 +119,7 @@ class StepShaper:
         if not may_shape or coefficients is None:
             return
         interactive = combined(work_of(step.plan, swaps=False), interactive_demand, len(step.plan.swap_out))
-        predicted = coefficients.predict(interactive)
+        predicted = coefficients.predict(interactive) + self.cost_model.residual(interactive.tokens)
         arrival_budget = self.arrival_budget_s() or 0.0
         if not interactive.sequences and opened_for is PriorityClass.BATCH:
             # Only batch work is coming: no stream is decoding, so only arrivals are protected (may_shape
@@ -149,8 +149,10 @@ class StepShaper:
         start = request.num_computed_tokens
         swap_s = coefficients.per_swapped_block_s * swap_in_blocks
 
-        def cost(n: int) -> float:
-            return coefficients.added_by(n, start) + swap_s
+        residual, tokens = self.cost_model.residual, step.num_tokens
+
+        def cost(n: int) -> float:  # the line's, and the change of bucket residual (a kernel change)
+            return coefficients.added_by(n, start) + swap_s + residual(tokens + n) - residual(tokens)
 
         if wanted == 1:  # a decode, the common case: one check, no search
             granted = 1 if cost(1) <= time_left else self._floor(step, request, 1)

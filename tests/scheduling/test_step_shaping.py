@@ -214,3 +214,39 @@ def test_steps_with_only_interactive_work_are_shaped_only_under_a_fixed_target(
         sim.step()
     assert all(r.status.is_finished for r in interactive)
     assert (sim.scheduler.snapshot().step_cost.shaped_steps > shaped_before) is shapes_interactive_alone
+
+
+@dataclass(slots=True, frozen=True)
+class KernelChangeCost:
+    """A CPU's step: packed kernels cost per row below 16 rows, a dense copy's read costs a jump from there."""
+
+    def seconds(self, plan: StepPlan) -> float:
+        tokens = plan.num_tokens
+        if not plan.sequences:
+            return 0.0
+        if tokens < 16:
+            return 0.018 + 0.005 * tokens + 0.001 * len(plan.sequences)
+        return 0.070 + 0.0017 * tokens + 0.001 * len(plan.sequences)
+
+
+def test_the_cost_model_follows_a_step_that_is_not_one_line() -> None:
+    """Calibrated on a cost with a jump where the kernels change, the model predicts small decode steps and
+    prompt chunks of every length within 10%, and large decode batches (many sequences past the jump, which
+    the residual per token count does not tell from one long chunk) within 30%; the line alone, through
+    both sides, misses a lone decode by more than 1.3x."""
+    truth = KernelChangeCost()
+    scheduler = make_scheduler(SchedulerConfig(max_num_batched_tokens=256), num_device_blocks=512)
+    for plan in scheduler.calibration_steps():
+        scheduler.observe_calibration(plan, truth.seconds(plan))
+    model = scheduler.shaper.cost_model
+    assert model.coefficients is not None
+    for num_decodes in (1, 3, 4, 6, 8, 12, 20, 48, 100):
+        plan = StepPlan([ScheduledSequence(f"r{i}", [1], 128, (0,), True, SamplingParams())
+                         for i in range(num_decodes)])
+        rel = 0.10 if num_decodes <= 8 else 0.30
+        assert model.predict(work_of(plan)) == pytest.approx(truth.seconds(plan), rel=rel), num_decodes
+    for num_tokens in (16, 32, 64, 128, 200):
+        plan = plan_of_tokens(num_tokens)
+        assert model.predict(work_of(plan)) == pytest.approx(truth.seconds(plan), rel=0.10), num_tokens
+    lone = plan_of_tokens(1)
+    assert model.coefficients.predict(work_of(lone)) > 1.3 * truth.seconds(lone)  # the line alone misses it

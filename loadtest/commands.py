@@ -85,6 +85,7 @@ def latency_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-streams", type=int, default=24)
     p.add_argument("--prompt-words", type=int, default=45, help="about 60 tokens")
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--warmup", type=float, default=5.0, help="seconds of each phase not measured")
     return p
 
 
@@ -144,7 +145,7 @@ def _latency(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     tenants, _ = tenants_of(args.tenants)
     config = LatencyConfig(args.url.rstrip("/"), tenants[0], tuple(p for p in args.phases.split(",") if p),
                            args.phase_seconds, args.interactive_streams, args.batch_streams, args.prompt_words,
-                           args.max_tokens, args.seed)
+                           args.max_tokens, args.seed, args.warmup)
     load_before = os.getloadavg()[0]
     phases = asyncio.run(run_latency(config))
     report = build_latency_report(config, phases, (load_before, os.getloadavg()[0]))

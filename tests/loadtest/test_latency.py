@@ -1,0 +1,52 @@
+"""`python -m loadtest latency` against a real uvicorn on loopback (the instant executor): every phase runs
+its streams, the report holds TTFT and ITL per phase with their ratios to the alone phase, batch streams'
+tokens are counted, and the command writes its report."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+from loadtest.__main__ import main
+from loadtest.latency import PHASES, LatencyConfig, build_latency_report, latency_table, run_latency
+from loadtest.workload import ANONYMOUS
+from tests.app.conftest import ServerThread, instant_context
+
+
+def test_every_phase_runs_and_the_report_compares_it_with_one_stream_alone() -> None:
+    server = ServerThread(instant_context()).start()
+    try:
+        config = LatencyConfig(server.base_url, ANONYMOUS, phase_seconds=1.5, interactive_streams=2,
+                               batch_streams=2, prompt_words=10, max_tokens=8, warmup_s=0.2)
+        phases = asyncio.run(run_latency(config))
+    finally:
+        server.stop()
+    report = build_latency_report(config, phases, (0.0, 0.0))
+    assert list(report["phases"]) == list(PHASES)
+    for name, summary in report["phases"].items():
+        assert summary["errors"] == 0 and summary["interactive_requests"] > 0, name
+        assert summary["ttft_p50_s"] is not None and summary["itl_p50_s"] is not None
+    assert report["phases"]["flood"]["batch_tokens_per_s"] > 0
+    assert report["phases"]["interactive"]["batch_tokens_per_s"] == 0
+    assert set(report["ratios_to_alone"]) >= {"interactive.ttft_p50", "flood.ttft_p99", "flood.itl_p50"}
+    assert "against alone" in latency_table(report)
+
+
+def test_the_command_refuses_an_unknown_phase_and_a_remote_url(tmp_path: Path) -> None:
+    assert main(["latency", "--url", "http://127.0.0.1:9", "--phases", "alone,sideways",
+                 "--out", str(tmp_path)]) == 2
+    assert main(["latency", "--url", "http://10.1.2.3:8000", "--out", str(tmp_path)]) == 2
+    assert not (tmp_path / "report.json").exists()
+
+
+def test_the_command_writes_its_report(tmp_path: Path) -> None:
+    server = ServerThread(instant_context()).start()
+    try:
+        code = main(["latency", "--url", server.base_url, "--phases", "alone", "--phase-seconds", "1",
+                     "--prompt-words", "8", "--max-tokens", "4", "--warmup", "0.2", "--out", str(tmp_path)])
+    finally:
+        server.stop()
+    assert code == 0
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["phases"]["alone"]["interactive_requests"] > 0 and report["passed"]

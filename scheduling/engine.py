@@ -58,7 +58,8 @@ def step_cost_stats(cost: StepCostStats) -> dict[str, Any]:
     """The step cost model and step shaping, for /stats."""
     return {"predicted_s": cost.predicted_s, "measured_s": cost.measured_s, "median_error": cost.median_error,
             "coefficients": None if cost.coefficients is None else dict(cost.coefficients),
-            "shaped_steps": cost.shaped_steps, "batch_tokens_deferred": cost.batch_tokens_deferred}
+            "shaped_steps": cost.shaped_steps, "batch_tokens_deferred": cost.batch_tokens_deferred,
+            "itl_target_missed_steps": cost.itl_target_missed_steps}
 
 
 def tenant_stats(snapshot: SchedulerSnapshot) -> dict[str, dict[str, object]]:

@@ -56,6 +56,7 @@ class StepCostStats:
     coefficients: Mapping[str, float] | None = None  # seconds per unit of each term
     shaped_steps: int = 0
     batch_tokens_deferred: int = 0
+    itl_target_missed_steps: int = 0  # interactive work alone predicted past its ITL target
 
 
 @dataclass(slots=True, frozen=True)

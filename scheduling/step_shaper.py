@@ -54,6 +54,9 @@ class ShapingConfig:
 class ShapingCounters:
     shaped_steps: int = 0
     batch_tokens_deferred: int = 0  # batch tokens a step had room for in its token budget but not in its time
+    # Steps whose interactive work alone was predicted past the ITL target (or, starting a prompt, past
+    # the arrival budget): the target shaping could not meet, whatever batch work did.
+    itl_target_missed_steps: int = 0
 
 
 class StepShaper:
@@ -127,6 +130,8 @@ class StepShaper:
             step.shaped_time_left_s = max(0.0, arrival_budget - predicted)
         else:
             target = self._target_s(predicted)
+            if predicted > target:
+                self.counters.itl_target_missed_steps += 1
             if self.config.interactive_itl_target_s is None and _starts_a_prompt(step, interactive_demand):
                 target = min(target, self.config.interactive_ttft_slack * predicted)
             target = min(target, max(arrival_budget, predicted))

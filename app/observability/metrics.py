@@ -79,6 +79,7 @@ class RequestCounts:
     generation_tokens: Counter[str] = field(default_factory=Counter)  # by tenant label
     rejected: Counter[tuple[str, str]] = field(default_factory=Counter)  # by (reason, tenant label)
     finished: Counter[tuple[str, str, str]] = field(default_factory=Counter)  # by (reason, tenant label, class)
+    ttft_deadlines: Counter[tuple[str, str]] = field(default_factory=Counter)  # by ("met" or "missed", tenant label)
     # Batches by (tenant label, status) as the store last said; None on an app without a Batch API.
     batch_jobs: Counter[tuple[str, str]] | None = None
 
@@ -159,6 +160,8 @@ class RequestObserver:
         if last is None:  # the prefill is done: the prompt counts once, as in vLLM
             series.ttft.observe(now - request.arrival_time)
             self._counts.prompt_tokens[tenant] += request.num_prompt_tokens
+            if request.ttft_deadline is not None:
+                self._counts.ttft_deadlines[("met" if now <= request.ttft_deadline else "missed", tenant)] += 1
         else:
             series.itl.observe(now - last)
             series.tpot.observe(now - last)
@@ -378,6 +381,8 @@ class EngineCollector(Collector):
                       ).add(cost.shaped_steps)
         yield counter("batch_tokens_deferred", "Batch tokens that fit a step's token budget but not its time."
                       ).add(cost.batch_tokens_deferred)
+        yield counter("itl_target_missed_steps", "Steps whose interactive work alone was predicted past the "
+                      "fixed ITL target.").add(cost.itl_target_missed_steps)
 
     def _request_counters(self) -> Iterator[_Family]:
         counts = self._counts
@@ -392,6 +397,12 @@ class EngineCollector(Collector):
         for (reason, tenant), value in sorted(counts.rejected.items()):
             rejected.add(value, reason, tenant)
         yield rejected
+        deadlines = self._families.counter("ttft_deadlines", "First tokens of requests with a TTFT deadline "
+                                           "(the request's or its tenant's target), met or missed.",
+                                           "outcome", "tenant")
+        for (outcome, tenant), value in sorted(counts.ttft_deadlines.items()):
+            deadlines.add(value, outcome, tenant)
+        yield deadlines
         yield self._finished()
 
     def _finished(self) -> _Family:

@@ -15,12 +15,13 @@ from tests.app.conftest import ServerThread, instant_context
 from tests.tenants_files import tenants_toml
 
 KEYS = {"timely": "fl-timely-key", "plain": "fl-plain-key"}
+ADMIN_KEY = "fl-admin-key"
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerThread]:
     path = tmp_path_factory.mktemp("deadlines") / "tenants.toml"
-    path.write_text(tenants_toml(KEYS, settings={"timely": {"ttft_target_ms": 800}}))
+    path.write_text(tenants_toml(KEYS, admin_key=ADMIN_KEY, settings={"timely": {"ttft_target_ms": 800}}))
     started = ServerThread(instant_context(tenants_file=str(path))).start()
     yield started
     started.stop()
@@ -71,3 +72,13 @@ def test_a_malformed_deadline_is_a_400(server: ServerThread, value: str) -> None
     assert response.status_code == 400
     error = response.json()["error"]
     assert "ttft_deadline_ms" in error["message"] and error["type"] == "invalid_request_error"
+
+
+def test_met_and_missed_deadlines_are_counted_per_tenant(server: ServerThread) -> None:
+    assert chat(server, "plain", metadata={"ttft_deadline_ms": "0.001"}).status_code == 200  # due at once: missed
+    assert chat(server, "timely").status_code == 200  # 800 ms on an instant executor: met
+    metrics = httpx.get(f"{server.base_url}/metrics", timeout=30,
+                        headers={"authorization": f"Bearer {ADMIN_KEY}"}).text
+    counted = {line.split("{")[1].split("}")[0].split(",", 1)[1] for line in metrics.splitlines()
+               if line.startswith("fairlane:ttft_deadlines_total{")}
+    assert {'outcome="missed",tenant="plain"', 'outcome="met",tenant="timely"'} <= counted

@@ -10,8 +10,9 @@ weighted fair queue (VTC, scheduling/queue.py) decides, unchanged; this only pic
   blocks are shared before they are evicted). The cache is salted per tenant, and the line is one
   tenant's, so a match never crosses tenants.
 Under each of the three, a request that has waited `aging_s` goes first (the oldest first): the bound on
-how long a long request can be passed over. `fairlane bench queue-order` measures them against FCFS on a
-mixed-length trace past capacity; its table chose the server's default (config/settings.py).
+how long a long request can be passed over. Each weighs the line's oldest MAX_WEIGHED requests only.
+`fairlane bench queue-order` measures them against FCFS on a mixed-length trace past capacity; its
+table chose the server's default (config/settings.py).
 
 Predicted work, in tokens: the prompt tokens still to compute plus the predicted output
 (scheduling/output_lengths.py). Whatever the order:
@@ -32,6 +33,9 @@ from scheduling.request import Request
 
 QueueOrderName = Literal["fcfs", "hrrn", "srpt", "lpm"]
 QUEUE_ORDERS: tuple[QueueOrderName, ...] = ("fcfs", "hrrn", "srpt", "lpm")
+# The oldest requests of a line an order weighs: a pick looks at no more, so admitting from a line of
+# thousands (one tenant's flood) costs what admitting from a short one does.
+MAX_WEIGHED = 128
 
 
 @dataclass(slots=True)
@@ -62,15 +66,13 @@ class QueueOrder:
         now = self.context.clock()
         if now - requests[0].arrival_time >= self.context.aging_s:
             return requests[0]  # aged: the oldest goes first
+        weighed = requests[:MAX_WEIGHED]  # a long line: its oldest, so a pick costs O(1) however long it grows
         if self.name == "hrrn":
-            return max(requests, key=lambda r: self._response_ratio(r, now))
+            token_s, work = self.context.token_s(), self.context.predicted_work
+            return max(weighed, key=lambda r: (now - r.arrival_time) / (max(work(r), 1.0) * token_s))
         if self.name == "srpt":
-            return min(requests, key=self.context.predicted_work)
-        return max(requests, key=self.context.cached_prefix_tokens)  # max keeps the earliest of equals
-
-    def _response_ratio(self, request: Request, now: float) -> float:
-        work_s = max(self.context.predicted_work(request), 1.0) * self.context.token_s()
-        return (now - request.arrival_time + work_s) / work_s
+            return min(weighed, key=self.context.predicted_work)
+        return max(weighed, key=self.context.cached_prefix_tokens)  # max keeps the earliest of equals
 
     def _slack(self, request: Request) -> float:
         assert request.ttft_deadline is not None

@@ -426,11 +426,12 @@ class Scheduler:
                 verdict = self.admission.verdict(request, step.tokens_left, room, passed_over)
                 if verdict.hold is Hold.REQUEST:
                     continue  # swapped: it waits for a LoRA slot or room under max_concurrent, holding neither
-                if verdict.hold is Hold.TENANT or self.blocks.read_from_disk(request):  # admitted once read
+                swapped = request.status is RequestStatus.SWAPPED
+                # A waiting request whose cached prefix continues on disk is admitted once it is read.
+                if verdict.hold is Hold.TENANT or (not swapped and self.blocks.read_from_disk(request)):
                     passed_over.add(request.tenant_id)
                     continue
-                started = self._resume(request, verdict, step) if request.status is RequestStatus.SWAPPED \
-                    else self._admit(request, step)
+                started = self._resume(request, verdict, step) if swapped else self._admit(request, step)
                 if not started:
                     return False
         return True

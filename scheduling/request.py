@@ -100,6 +100,7 @@ class Request:
     # tenant's line orders such requests by slack (scheduling/queue_order.py).
     ttft_deadline: float | None = None
     predicted_output_tokens: int = 0  # set by the scheduler when the request arrives (output_lengths.py)
+    itl_target_s: float | None = None  # its tenant's ITL target: steps it runs in are shaped to it
     adapter: LoraRef | None = None  # the LoRA adapter the request runs on; None for the base model
     lora_slot: int = BASE_MODEL_SLOT  # the device slot its adapter sits in while it runs (the scheduler's)
     # len(prompt_token_ids), kept as a plain attribute: the scheduler reads it for every running request

@@ -131,6 +131,7 @@ class Scheduler:
         self.admission = AdmissionRule(self.limits, self.blocks)
         self._finished_ids: list[str] = []  # told to the runner with the next plan
         self._interactive_seen_at = float("-inf")  # when an interactive request was last unfinished
+        self._itl_targets: dict[RequestId, float] = {}  # the running requests whose tenant set an ITL target
         self._arrivals_expected = False
         self.lora = LoraResidency(config.max_loras)
 
@@ -291,7 +292,8 @@ class Scheduler:
 
     def _open_shaped_budget(self, step: StepBuilder, interactive_demand: InteractiveDemand,
                             opened_for: PriorityClass = PriorityClass.BATCH) -> None:
-        self.shaper.open_budget(step, interactive_demand.work, self._may_shape(), opened_for)
+        tenant_target_s = min(self._itl_targets.values()) if self._itl_targets else None
+        self.shaper.open_budget(step, interactive_demand.work, self._may_shape(), opened_for, tenant_target_s)
 
     def _shaped(self, step: StepBuilder, request: Request, num_new: int, interactive_demand: InteractiveDemand,
                 swap_in_blocks: int = 0) -> int:
@@ -495,9 +497,12 @@ class Scheduler:
         request.status = RequestStatus.RUNNING
         self.running.append(request)
         self.load.started_running(request)
+        if request.itl_target_s is not None:
+            self._itl_targets[request.request_id] = request.itl_target_s
 
     def _stop_running(self, request: Request) -> None:
         self.running.remove(request)
+        self._itl_targets.pop(request.request_id, None)
         self.load.stopped_running(request)
         if request.lora_slot != BASE_MODEL_SLOT:  # a resumed request takes a slot again (maybe another)
             self.lora.release(request.lora_slot)

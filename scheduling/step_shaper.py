@@ -13,7 +13,9 @@ too, with at least one block each step so they progress), otherwise `interactive
 the predicted time of the interactive work alone (what the stream would see without batch work, plus
 a margin), and at least `interactive_itl_decodes` times a lone decode step's measured time: a few
 interactive streams then leave batch work a share of each step (their gap stays within that multiple
-of a lone stream's), where the slack alone would starve it. A step that computes an interactive prompt
+of a lone stream's), where the slack alone would starve it. A tenant's own ITL target (`itl_target_ms`
+in the tenants file) lowers the target of every step while one of its requests runs. A step that
+computes an interactive prompt
 is held to `interactive_ttft_slack` times its interactive work instead: the prompt's first token waits
 for no batch work, and the streams beside it wait for that prompt alone. Before the model has seen
 enough steps nothing is shaped; with no interactive request active, only the arrival budget holds.
@@ -54,8 +56,8 @@ class ShapingConfig:
 class ShapingCounters:
     shaped_steps: int = 0
     batch_tokens_deferred: int = 0  # batch tokens a step had room for in its token budget but not in its time
-    # Steps whose interactive work alone was predicted past the ITL target (or, starting a prompt, past
-    # the arrival budget): the target shaping could not meet, whatever batch work did.
+    # Steps whose interactive work alone was predicted past a fixed ITL target (the server's or a tenant's):
+    # the target shaping could not meet, whatever batch work did.
     itl_target_missed_steps: int = 0
 
 
@@ -110,11 +112,12 @@ class StepShaper:
         demand.add_sequence(num_new, start_position)
 
     def open_budget(self, step: StepBuilder, interactive_demand: StepWork, may_shape: bool,
-                    opened_for: PriorityClass = PriorityClass.BATCH) -> None:
+                    opened_for: PriorityClass = PriorityClass.BATCH, tenant_target_s: float | None = None) -> None:
         """Once per step, when its unshaped interactive work is chosen: the time the rest may take.
         `interactive_demand` is the work of interactive requests to be admitted later in the step;
         `may_shape` is what `may_shape` answered for the step; `opened_for` is the class of the request
-        whose work is shaped first (an interactive prefill chunk, under a fixed target)."""
+        whose work is shaped first (an interactive prefill chunk, under a fixed target);
+        `tenant_target_s` the smallest ITL target of a running request's tenant, if any has one."""
         if step.shaping_decided:
             return
         step.shaping_decided = True
@@ -130,6 +133,8 @@ class StepShaper:
             step.shaped_time_left_s = max(0.0, arrival_budget - predicted)
         else:
             target = self._target_s(predicted)
+            if tenant_target_s is not None:
+                target = min(target, tenant_target_s)
             if predicted > target:
                 self.counters.itl_target_missed_steps += 1
             if self.config.interactive_itl_target_s is None and _starts_a_prompt(step, interactive_demand):

@@ -52,6 +52,9 @@ class TenantLimits:
     # Each interactive request's first token is due this many ms after it arrives (unless the request sets
     # its own TTFT deadline): its line orders it by slack (scheduling/queue_order.py)
     ttft_target_ms: int | None = None
+    # Steps that run one of its interactive requests hold batch work to this many ms (at most: the server's
+    # derived target still holds when it is tighter)
+    itl_target_ms: int | None = None
 
 
 @dataclass(slots=True, frozen=True)
@@ -179,7 +182,7 @@ def _parse_key_hashes(entry: str, raw: Any) -> tuple[str, ...]:
 
 LIMIT_FIELDS = ("max_concurrent", "max_queued", "tokens_per_minute", "max_prompt_tokens", "max_files",
                 "max_file_bytes", "max_stored_responses", "max_stored_response_bytes", "max_background_responses",
-                "ttft_target_ms")
+                "ttft_target_ms", "itl_target_ms")
 KNOWN_FIELDS = {"id", "weight", "api_key_hashes", "classes", "cache_group", *LIMIT_FIELDS}
 
 

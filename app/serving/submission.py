@@ -191,6 +191,8 @@ class ChoiceStarter:
         salt = tenant.cache_salt_for(body.cache_salt, None if adapter is None else adapter.cache_key)
         per_prompt = body.num_generations
         deadline = self._ttft_deadline(body, tenant, priority)
+        itl_target_ms = tenant.limits.itl_target_ms if priority is PriorityClass.INTERACTIVE else None
+        itl_target_s = None if itl_target_ms is None else itl_target_ms / 1000
         requests = []
         for index in range(len(prompts) * per_prompt):
             prompt = prompts[index // per_prompt]
@@ -201,7 +203,7 @@ class ChoiceStarter:
                                           stop_token_ids=stop_token_ids, tenant_id=tenant.tenant_id,
                                           priority=priority, cache_salt=salt, adapter=adapter,
                                           cache_pin_tokens=cache_pin.num_tokens, cache_pin_ttl_s=cache_pin.ttl_s,
-                                          ttft_deadline=deadline))
+                                          ttft_deadline=deadline, itl_target_s=itl_target_s))
         return requests
 
     @staticmethod

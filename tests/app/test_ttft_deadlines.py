@@ -1,5 +1,6 @@
 """A TTFT deadline reaches the engine request: from the request's `metadata.ttft_deadline_ms`, else from its
-tenant's `ttft_target_ms` for interactive work; a malformed one is a 400 in OpenAI's shape."""
+tenant's `ttft_target_ms` for interactive work; a malformed one is a 400 in OpenAI's shape. A tenant's
+`itl_target_ms` reaches its interactive requests."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ ADMIN_KEY = "fl-admin-key"
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerThread]:
     path = tmp_path_factory.mktemp("deadlines") / "tenants.toml"
-    path.write_text(tenants_toml(KEYS, admin_key=ADMIN_KEY, settings={"timely": {"ttft_target_ms": 800}}))
+    path.write_text(tenants_toml(KEYS, admin_key=ADMIN_KEY, settings={"timely": {"ttft_target_ms": 800, "itl_target_ms": 40}}))
     started = ServerThread(instant_context(tenants_file=str(path))).start()
     yield started
     started.stop()
@@ -82,3 +83,11 @@ def test_met_and_missed_deadlines_are_counted_per_tenant(server: ServerThread) -
     counted = {line.split("{")[1].split("}")[0].split(",", 1)[1] for line in metrics.splitlines()
                if line.startswith("fairlane:ttft_deadlines_total{")}
     assert {'outcome="missed",tenant="plain"', 'outcome="met",tenant="timely"'} <= counted
+
+
+def test_a_tenants_itl_target_reaches_its_interactive_requests(server: ServerThread,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    seen = submitted(server, monkeypatch)
+    for tenant, extra in (("timely", {}), ("timely", {"service_tier": "flex"}), ("plain", {})):
+        assert chat(server, tenant, **extra).status_code == 200
+    assert [request.itl_target_s for request, _ in seen] == [0.04, None, None]

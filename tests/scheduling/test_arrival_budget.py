@@ -141,3 +141,20 @@ async def test_the_engine_calibrates_before_its_first_request() -> None:
 
 def _tokens(count: int) -> StepPlan:
     return StepPlan([ScheduledSequence("r", [1] * count, 16, (0,), True, SamplingParams())])
+
+
+def test_a_tenants_itl_target_bounds_every_step_its_request_runs_in() -> None:
+    """The derived target lets a step run to twice a lone decode (24 ms here); a tenant's 18 ms target holds
+    every step its chat decodes in to 18 ms, batch work still moving beside it, and goes with the chat."""
+    flood = Flood(ShapingConfig(arrival_window_s=0.0))
+    chat = make_request(40, 30, priority=INTERACTIVE, tenant_id="strict")
+    chat.itl_target_s = 0.018
+    flood.scheduler.add_request(chat)
+    steps = []
+    while not chat.status.is_finished:
+        _, seconds = flood.step()
+        if chat.num_output_tokens > 1:  # decoding: its prompt's step holds no batch work anyway
+            steps.append(seconds)
+    assert steps and max(steps) <= 0.018 * 1.05
+    assert sum(r.num_computed_tokens for r in flood.batch) > 0  # batch still moved beside it
+    assert not flood.scheduler._itl_targets

@@ -22,7 +22,8 @@ ADMIN_KEY = "fl-admin-key"
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerThread]:
     path = tmp_path_factory.mktemp("deadlines") / "tenants.toml"
-    path.write_text(tenants_toml(KEYS, admin_key=ADMIN_KEY, settings={"timely": {"ttft_target_ms": 800, "itl_target_ms": 40}}))
+    targets = {"timely": {"ttft_target_ms": 800, "itl_target_ms": 40}}
+    path.write_text(tenants_toml(KEYS, admin_key=ADMIN_KEY, settings=targets))
     started = ServerThread(instant_context(tenants_file=str(path))).start()
     yield started
     started.stop()

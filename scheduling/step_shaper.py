@@ -15,10 +15,10 @@ a margin), and at least `interactive_itl_decodes` times a lone decode step's mea
 interactive streams then leave batch work a share of each step (their gap stays within that multiple
 of a lone stream's), where the slack alone would starve it. A tenant's own ITL target (`itl_target_ms`
 in the tenants file) lowers the target of every step while one of its requests runs. A step that
-computes an interactive prompt
-is held to `interactive_ttft_slack` times its interactive work instead: the prompt's first token waits
-for no batch work, and the streams beside it wait for that prompt alone. Before the model has seen
-enough steps nothing is shaped; with no interactive request active, only the arrival budget holds.
+computes an interactive prompt is held to `interactive_ttft_slack` times its interactive work instead:
+the prompt's first token waits for no batch work, and the streams beside it wait for that prompt alone.
+Before the model has seen enough steps nothing is shaped; with no interactive request active, only the
+arrival budget holds.
 
 The arrival budget: an interactive request that arrives while a step runs waits for that step to end, so
 while interactive traffic may arrive (some was unfinished within `arrival_window_s`, or always), no step
@@ -48,7 +48,7 @@ class ShapingConfig:
     interactive_itl_decodes: float = 2.0  # and at least this times a lone decode step's measured time
     interactive_ttft_slack: float = 1.0  # a step starting an interactive prompt: this times its interactive work
     arrival_budget_s: float | None = None  # a fixed arrival budget; None derives it as below
-    arrival_budget_decodes: float = 4.0  # the derived budget: this times a lone decode step's predicted time
+    arrival_budget_decodes: float = 4.0  # the derived budget: this times a lone decode step's measured time
     arrival_window_s: float | None = 10.0  # after the last interactive work; None: always expect arrivals
 
 

@@ -37,6 +37,16 @@ class _ArrivalClock:
 _arrivals = _ArrivalClock()
 
 
+class VirtualClock:
+    """A clock that moves only when a test moves it: a scheduler's, in simulations of step times."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 def prompt_tokens(length: int, salt: int = 0) -> list[int]:
     """A deterministic prompt of byte tokens (valid for every vocabulary used in the tests)."""
     return [(salt * 37 + i * 11 + 3) % 256 for i in range(length)]

@@ -14,18 +14,10 @@ from scheduling.engine import Engine
 from scheduling.request import PriorityClass, Request
 from scheduling.scheduler import Scheduler, SchedulerConfig
 from scheduling.step_shaper import ShapingConfig, work_of
-from tests.factories import collect, make_request, make_scheduler, running, wait_until
+from tests.factories import VirtualClock, collect, make_request, make_scheduler, running, wait_until
 
 BATCH, INTERACTIVE = PriorityClass.BATCH, PriorityClass.INTERACTIVE
 COST = LinearStepCost(overhead_s=0.010, per_token_s=0.002)  # a 128-token step: 266 ms; a decode: 12 ms
-
-
-class VirtualClock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 class Flood:

@@ -14,25 +14,17 @@ from scheduling.queue_order import QUEUE_ORDERS
 from scheduling.request import PriorityClass, Request, RequestStatus
 from scheduling.scheduler import Scheduler, SchedulerConfig
 from scheduling.step_shaper import ShapingConfig
-from tests.factories import make_geometry, make_request, prompt_tokens
+from tests.factories import VirtualClock, make_geometry, make_request, prompt_tokens
 
 INTERACTIVE = PriorityClass.INTERACTIVE
 COST = LinearStepCost(overhead_s=0.005, per_token_s=0.001)
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 class Line:
     """A scheduler that runs one sequence at a time, so the order it starts requests in is the line's."""
 
     def __init__(self, order: str, max_num_seqs: int = 1, aging_s: float = 30.0) -> None:
-        self.clock = Clock()
+        self.clock = VirtualClock()
         config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=256, queue_order=order,  # type: ignore[arg-type]
                                  queue_aging_s=aging_s, shaping=ShapingConfig(enabled=False))
         self.scheduler = Scheduler(config, make_geometry(num_device_blocks=1024), clock=self.clock)

@@ -1,7 +1,8 @@
 """`python -m loadtest SCENARIO --url URL ...`: run one load-test scenario against a fairlane server and
-write report.json, summary.md and PNG plots into --out. `python -m loadtest soak|overload|noisy-neighbour
---help`: the long runs (loadtest.commands). Exits 1 when the leak check fails (KV blocks
-still in use, or requests still running, once the server should be idle), 2 for a run it refuses."""
+write report.json, summary.md and PNG plots into --out. `python -m loadtest
+soak|overload|noisy-neighbour|latency --help`: the long runs (loadtest.commands). Exits 1 when the leak
+check fails (KV blocks still in use, or requests still running, once the server should be idle), 2 for a
+run it refuses."""
 
 from __future__ import annotations
 

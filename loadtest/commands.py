@@ -1,4 +1,4 @@
-"""`python -m loadtest soak`, `overload` and `noisy-neighbour`: the long runs, each with its own flags.
+"""`python -m loadtest soak`, `overload`, `noisy-neighbour` and `latency`: the long runs, each with its own flags.
 Exit status: 0 when the run held, 1 when a check failed, 2 for a run refused before it began."""
 
 from __future__ import annotations

@@ -150,3 +150,28 @@ def test_a_tenants_itl_target_bounds_every_step_its_request_runs_in() -> None:
     assert steps and max(steps) <= 0.018 * 1.05
     assert sum(r.num_computed_tokens for r in flood.batch) > 0  # batch still moved beside it
     assert not flood.scheduler._itl_targets
+
+
+def test_a_new_prompt_beside_four_streams_and_a_flood_starts_at_once_and_the_streams_keep_their_target() -> None:
+    """Four interactive streams decode beside a batch flood; a new prompt arrives. Its first token comes in
+    the very next step, a step holding no batch work (its TTFT is its own prefill, beside the streams'
+    decodes); every other step the streams share is held to their ITL target (twice a lone decode here)."""
+    flood = Flood(ShapingConfig(arrival_window_s=None))
+    streams = [make_request(16, 200, priority=INTERACTIVE, tenant_id=f"s{i}") for i in range(4)]
+    for stream in streams:
+        flood.scheduler.add_request(stream)
+    for _ in range(10):
+        flood.step()
+    assert all(s.num_output_tokens > 1 for s in streams)
+    lone_decode_s = flood.scheduler.shaper.cost_model.lone_decode_s
+    assert lone_decode_s is not None
+    decode_steps = [flood.step()[1] for _ in range(20)]
+    assert max(decode_steps) <= 2 * lone_decode_s * 1.05  # the ITL target, batch work filling the rest
+    assert max(decode_steps) > COST.seconds(_tokens(4)) * 1.05  # ...which it did: batch was not starved
+
+    chat = flood.chat()
+    batch_before = sum(r.num_computed_tokens for r in flood.batch)
+    _, seconds = flood.step()
+    assert chat.num_output_tokens == 1  # the next step
+    assert sum(r.num_computed_tokens for r in flood.batch) == batch_before  # nothing rode along with it
+    assert seconds == pytest.approx(COST.seconds(_tokens(4 + chat.num_prompt_tokens)), rel=0.01)

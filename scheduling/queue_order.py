@@ -10,7 +10,8 @@ weighted fair queue (VTC, scheduling/queue.py) decides, unchanged; this only pic
   blocks are shared before they are evicted). The cache is salted per tenant, and the line is one
   tenant's, so a match never crosses tenants.
 Under each of the three, a request that has waited `aging_s` goes first (the oldest first): the bound on
-how long a long request can be passed over. Each weighs the line's oldest MAX_WEIGHED requests only.
+how long a long request can be passed over. Every order, deadlines included, weighs the line's oldest
+MAX_WEIGHED requests only.
 `fairlane bench queue-order` measures them against FCFS on a mixed-length trace past capacity; its
 table chose the server's default (config/settings.py).
 
@@ -58,15 +59,17 @@ class QueueOrder:
 
     def first(self, requests: list[Request]) -> Request:
         """The request of a non-empty line (in arrival order) to go first."""
-        with_deadline = [r for r in requests if r.ttft_deadline is not None]
+        if len(requests) == 1:
+            return requests[0]
+        weighed = requests[:MAX_WEIGHED]  # a long line: its oldest, so a pick costs O(1) however long it grows
+        with_deadline = [r for r in weighed if r.ttft_deadline is not None]
         if with_deadline:
             return min(with_deadline, key=self._slack)
-        if self.name == "fcfs" or len(requests) == 1:
+        if self.name == "fcfs":
             return requests[0]
         now = self.context.clock()
         if now - requests[0].arrival_time >= self.context.aging_s:
             return requests[0]  # aged: the oldest goes first
-        weighed = requests[:MAX_WEIGHED]  # a long line: its oldest, so a pick costs O(1) however long it grows
         if self.name == "hrrn":
             token_s, work = self.context.token_s(), self.context.predicted_work
             return max(weighed, key=lambda r: (now - r.arrival_time) / (max(work(r), 1.0) * token_s))

@@ -9,7 +9,7 @@ import asyncio
 import json
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from app.batch.runner import BatchRunner
 from app.batch.service import new_batch
@@ -119,24 +119,26 @@ async def test_a_batch_of_a_tenant_no_longer_listed_fails_with_the_reason(tmp_pa
     await store.close()
 
 
+class NotingEvent(asyncio.Event):
+    """An event that says when someone first waits on it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.awaited = asyncio.Event()
+
+    async def wait(self) -> Literal[True]:
+        self.awaited.set()
+        return await super().wait()
+
+
 async def test_stop_ends_the_runner_even_as_it_is_woken(tmp_path: Path) -> None:
     """A wake-up in the same moment as the stop's cancel: Python 3.11's wait_for swallowed the cancel,
     and stop() waited forever (seen once in the suite, as a 300 s timeout of the test above)."""
     store = BatchStore(tmp_path / "batches.db")
-    ticked = asyncio.Event()
-    listed = store.active_batches
-
-    async def listing(statuses: Any) -> Any:
-        found = await listed(statuses)
-        ticked.set()
-        return found
-
-    store.active_batches = listing  # type: ignore[method-assign]
     runner = BatchRunner(store, Executor(), max_in_flight=4, poll_seconds=30.0)
+    wake = runner._wake = NotingEvent()  # the test waits for the runner to wait on it
     runner.start()
-    await asyncio.wait_for(ticked.wait(), timeout=10.0)
-    for _ in range(10):  # the rest of the tick (no batches: no await blocks) and into the wait for a wake
-        await asyncio.sleep(0)
+    await asyncio.wait_for(wake.awaited.wait(), timeout=10.0)  # the runner is between ticks, waiting
     runner.wake()
     await asyncio.wait_for(runner.stop(), timeout=5.0)
     await store.close()

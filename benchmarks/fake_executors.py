@@ -113,9 +113,21 @@ class FakeExecutor:
         sampled = {
             seq.request_id: self.token_for(seq.request_id, seq.start_position + len(seq.token_ids))
             for seq in plan.sequences
-            if seq.needs_sample
+            if seq.needs_sample and not seq.num_draft_tokens
         }
-        return StepResult(sampled_token_ids=sampled, forward_seconds=cost)
+        verified = {seq.request_id: self._verify(seq) for seq in plan.sequences if seq.num_draft_tokens}
+        return StepResult(sampled_token_ids=sampled, verified=verified, forward_seconds=cost)
+
+    def _verify(self, seq: ScheduledSequence) -> tuple[int, ...]:
+        """Proposed tokens are accepted while they are the tokens this executor would have sampled, as
+        greedy verification does: the output never depends on speculation."""
+        first = seq.start_position + len(seq.token_ids) - seq.num_draft_tokens  # the first proposal's position
+        emitted = []
+        for offset, draft in enumerate(seq.token_ids[len(seq.token_ids) - seq.num_draft_tokens:]):
+            emitted.append(self.token_for(seq.request_id, first + offset))
+            if emitted[-1] != draft:
+                return tuple(emitted)
+        return (*emitted, self.token_for(seq.request_id, seq.start_position + len(seq.token_ids)))
 
     def _count(self, plan: StepPlan) -> None:
         if not plan.sequences:

@@ -6,13 +6,14 @@ overrides (command-line flags). Unknown keys are an error that names the key.
 
 from __future__ import annotations
 
+import json
 import os
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 ENV_PREFIX = "FAIRLANE_"
 MiB = 1024 * 1024
@@ -20,6 +21,32 @@ MiB = 1024 * 1024
 
 class SettingsError(ValueError):
     """A setting is unknown or invalid; the message names it."""
+
+
+class SpeculativeConfig(BaseModel):
+    """Speculative decoding, with vLLM's `--speculative-config` keys (scheduling/speculation.py)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    # ngram: prompt lookup over the request's own tokens; suffix: the same, then over its tenant's recent
+    # outputs. draft_model is refused: this machine has no smaller model with the default model's tokenizer.
+    method: Literal["ngram", "suffix"]
+    num_speculative_tokens: int = Field(default=4, ge=1, le=16)
+    prompt_lookup_min: int = Field(default=2, ge=1)
+    prompt_lookup_max: int = Field(default=5, ge=1)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_draft_model(cls, data: Any) -> Any:
+        if isinstance(data, dict) and (data.get("method") == "draft_model" or "model" in data):
+            raise ValueError("method draft_model is not supported: use ngram or suffix")
+        return data
+
+    @model_validator(mode="after")
+    def _check_lookup(self) -> SpeculativeConfig:
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError("prompt_lookup_min must be <= prompt_lookup_max")
+        return self
 
 
 class AdapterEntry(BaseModel):
@@ -104,6 +131,8 @@ class Settings(BaseModel):
     # Step shaping: while interactive requests are active, a step holds only as much batch work as keeps its
     # predicted time within the interactive target (scheduling/step_shaper.py).
     step_shaping: bool = True
+    # Speculative decoding (vLLM's --speculative-config, as JSON or a table); None: off.
+    speculative_config: SpeculativeConfig | None = None
     interactive_itl_target_ms: float | None = Field(default=None, gt=0)  # fixed; None: derived as below
     interactive_itl_slack: float = Field(default=1.1, ge=1.0)  # target = this x the interactive work's own time,
     interactive_itl_decodes: float = Field(default=2.0, ge=0.0)  # and at least this x a lone decode step's time
@@ -188,6 +217,17 @@ class Settings(BaseModel):
     cluster_stats_period_s: float = Field(default=0.5, gt=0)  # how often replicas report load to the router
     share_vtc: bool = True  # fold the other replicas' service into each replica's VTC counters
     vtc_sync_interval_s: float = Field(default=0.1, gt=0)  # how often replicas exchange per-tenant service
+
+    @field_validator("speculative_config", mode="before")
+    @classmethod
+    def _speculative_json(cls, value: Any) -> Any:
+        """--speculative-config and FAIRLANE_SPECULATIVE_CONFIG give JSON text."""
+        if isinstance(value, str):
+            try:
+                return json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"speculative_config is not valid JSON: {exc}") from exc
+        return value
 
     @model_validator(mode="after")
     def _check_budgets(self) -> Settings:

@@ -99,6 +99,10 @@ class ScheduledSequence:
     prompt_token_ids: tuple[int, ...] = ()
     output_token_ids: tuple[int, ...] = ()
     lora_slot: int = BASE_MODEL_SLOT  # the device slot of the request's LoRA adapter (see StepPlan.lora_loads)
+    # Speculative decoding: the last num_draft_tokens of token_ids are proposed tokens, not yet the
+    # request's. The runner verifies them in this forward (a logits row per fed token from the first
+    # proposal's position on) and answers with the tokens it accepted and one more (StepResult.verified).
+    num_draft_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -157,6 +161,11 @@ class StepResult:
 
     sampled_token_ids: dict[str, int] = field(default_factory=dict)  # request id -> new token
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)  # for requests that asked for them
+    # For sequences with proposed tokens (ScheduledSequence.num_draft_tokens), instead of the two above:
+    # request id -> the accepted proposals, then the token sampled after them (1 to drafts + 1 tokens), and
+    # their log probabilities when the request asked for them.
+    verified: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    verified_logprobs: dict[str, tuple[TokenLogprobs, ...]] = field(default_factory=dict)
     # request id -> (the prompt position of the first entry's token, one entry per prompt token the
     # step's chunk predicts), for requests with prompt_logprobs
     prompt_logprobs: dict[str, tuple[int, tuple[TokenLogprobs, ...]]] = field(default_factory=dict)

@@ -32,7 +32,8 @@ from gpu.models import LoadedModel
 from gpu.prompt_logprobs import prompt_logprobs, prompt_rows
 from gpu.sampler import Sampler
 from gpu.step_inputs import build_step_inputs, decodes_first
-from gpu.structured import GrammarCache, GrammarMatchers, check
+from gpu.structured import GrammarCache, GrammarMatchers, TokenMasks, check
+from gpu.verification import num_rows, verify_step
 
 logger = logging.getLogger(__name__)
 
@@ -266,14 +267,32 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
         result.forward_seconds = time.perf_counter() - forward_started
         result.recompilations = self.forward.recompilations - recompilations
+        num_sampled_rows = sum(num_rows(seq) for seq in sampling)
         if not extra.is_empty:
-            result.prompt_logprobs = prompt_logprobs(logits[len(sampling):], extra, ordered)
-            logits = logits[:len(sampling)]
-        if sampling:
+            result.prompt_logprobs = prompt_logprobs(logits[num_sampled_rows:], extra, ordered)
+            logits = logits[:num_sampled_rows]
+        if num_sampled_rows > len(sampling):  # some sequences verify proposed tokens
+            self._verify(logits, sampling, masks, result)
+        elif sampling:
             tokens, result.logprobs = self.sampler.sample_step(logits, sampling, masks)
             self.matchers.advance(sampling, tokens)
             result.sampled_token_ids = {s.request_id: t for s, t in zip(sampling, tokens, strict=True)}
         return result
+
+    def _verify(self, logits: torch.Tensor, sampling: list[ScheduledSequence], masks: TokenMasks | None,
+                result: StepResult) -> None:
+        """A step with proposals: sequences that had some answer in `verified`, the others as usual."""
+        emitted, logprobs = verify_step(self.sampler, logits, sampling, masks)
+        self.matchers.advance(sampling, [tokens[-1] for tokens in emitted])  # constrained ones have no proposals
+        for seq, tokens in zip(sampling, emitted, strict=True):
+            if seq.num_draft_tokens:
+                result.verified[seq.request_id] = tuple(tokens)
+                if seq.request_id in logprobs:
+                    result.verified_logprobs[seq.request_id] = logprobs[seq.request_id]
+            else:
+                result.sampled_token_ids[seq.request_id] = tokens[0]
+                if seq.request_id in logprobs:
+                    result.logprobs[seq.request_id] = logprobs[seq.request_id][0]
 
     def _copy_between_tiers(self, copies: TierCopies) -> tuple[bytes, ...]:
         """The prefix cache's copies, in the order `TierCopies` says; the hashes of disk reads that failed.

@@ -57,10 +57,10 @@ class Sampler:
         if sampled_rows:
             rows = [params[i] for i in sampled_rows]
             probs = filtered_probs(processed[sampled_rows], rows, self.device)
-            chosen[sampled_rows] = self._draw(probs, rows, [request_ids[i] for i in sampled_rows])
+            chosen[sampled_rows] = self.draw(probs, rows, [request_ids[i] for i in sampled_rows])
         return chosen
 
-    def _draw(self, probs: torch.Tensor, params: list[SamplingParams], request_ids: list[str]) -> torch.Tensor:
+    def draw(self, probs: torch.Tensor, params: list[SamplingParams], request_ids: list[str]) -> torch.Tensor:
         drawn = torch.empty(len(params), dtype=torch.long, device=self.device)
         unseeded = [row for row, p in enumerate(params) if p.seed is None]
         if unseeded:
@@ -69,6 +69,10 @@ class Sampler:
             if p.seed is not None:
                 drawn[row] = torch.multinomial(probs[row], 1, generator=self._generator(request_id, p.seed))[0]
         return drawn
+
+    def generator_of(self, request_id: str, seed: int | None) -> torch.Generator:
+        """The request's own generator when it has a seed, else the shared one."""
+        return self._shared if seed is None else self._generator(request_id, seed)
 
     def _generator(self, request_id: str, seed: int) -> torch.Generator:
         generator = self._per_request.get(request_id)
@@ -172,20 +176,27 @@ def token_counts(histories: Sequence[History], vocab: int, device: torch.device)
 def token_logprobs(logits: torch.Tensor, sequences: Sequence[ScheduledSequence], tokens: Sequence[int]
                    ) -> dict[str, TokenLogprobs]:
     """The raw log-softmax of the chosen token and of the k most likely ones, for each sequence that
-    asked for them: one log_softmax, gather and topk (on the largest k) for all, each read back once."""
+    asked for them."""
     asked = [(row, seq.request_id, seq.sampling.logprobs) for row, seq in enumerate(sequences)
              if seq.sampling.logprobs is not None]
     if not asked:
         return {}
     rows = [row for row, _, _ in asked]
-    logprobs = torch.log_softmax(logits[rows].float(), dim=-1)
-    chosen = torch.tensor([tokens[row] for row in rows], dtype=torch.long, device=logits.device)
+    entries = logprobs_of_rows(logits[rows], [k or 0 for _, _, k in asked], [tokens[row] for row in rows])
+    return {request_id: entry for (_, request_id, _), entry in zip(asked, entries, strict=True)}
+
+
+def logprobs_of_rows(logits: torch.Tensor, ks: Sequence[int], tokens: Sequence[int]) -> list[TokenLogprobs]:
+    """For each row of logits: the chosen token's raw log-softmax and the row's k most likely; one
+    log_softmax, gather and topk (on the largest k) for all, each read back once."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    chosen = torch.tensor(list(tokens), dtype=torch.long, device=logits.device)
     picked = logprobs.gather(1, chosen[:, None])[:, 0].tolist()
-    max_k = min(max(k for _, _, k in asked), logprobs.shape[-1])
+    max_k = min(max(ks), logprobs.shape[-1])
     top = torch.topk(logprobs, max_k, dim=-1)
     top_ids, top_values = top.indices.tolist(), top.values.tolist()
-    return {request_id: TokenLogprobs(tokens[row], logprob, tuple(zip(ids[:k], values[:k], strict=True)))
-            for (row, request_id, k), logprob, ids, values in zip(asked, picked, top_ids, top_values, strict=True)}
+    return [TokenLogprobs(token, logprob, tuple(zip(ids[:k], values[:k], strict=True)))
+            for token, k, logprob, ids, values in zip(tokens, ks, picked, top_ids, top_values, strict=True)]
 
 
 def filtered_probs(logits: torch.Tensor, params: list[SamplingParams], device: torch.device) -> torch.Tensor:

@@ -25,7 +25,7 @@ class StepInputs:
 
     input_ids: torch.Tensor  # [1, total_tokens]
     positions: torch.Tensor  # [1, total_tokens]
-    logits_indices: torch.Tensor  # index in the packed batch of each sampled sequence's last token
+    logits_indices: torch.Tensor  # index in the packed batch of each sampled sequence's last token (and proposals)
     metadata: PagedMetadata
 
 
@@ -58,8 +58,9 @@ def build_step_inputs(sequences: Sequence[ScheduledSequence], cache: PagedKVCach
     write_rows = context_rows(blocks, cache.shape.num_kv_heads) * block_size + positions % block_size
     input_ids = torch.tensor(list(chain.from_iterable(s.token_ids for s in sequences)), dtype=torch.long,
                              device=device)
-    sampled = torch.tensor([end - 1 for end, s in zip(host_ends, sequences, strict=True) if s.needs_sample],
-                           dtype=torch.long, device=device)
+    # A sampled sequence's last token, and before it one row per proposed token it verifies.
+    sampled = torch.tensor([row for end, s in zip(host_ends, sequences, strict=True) if s.needs_sample
+                            for row in range(end - 1 - s.num_draft_tokens, end)], dtype=torch.long, device=device)
     metadata = _paged_metadata(sequences, cache, tables, write_rows.reshape(-1))
     return StepInputs(input_ids[None], positions[None], sampled, metadata)
 

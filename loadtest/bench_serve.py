@@ -8,6 +8,10 @@ output tokens/s over the level's wall time, TTFT, ITL (gaps between content chun
 client sees them. A second run with the same --seed against the same server process finds its
 prompts in that server's prefix cache: restart the server or change --seed between runs.
 `--compare A.json B.json ...` prints saved runs side by side.
+
+`--workload` picks the prompts: `chat` (the default, above) or `copy`, where each request asks for a
+passage of about --prompt-tokens tokens to be repeated word for word: the output copies its context, as
+code edits, rewrites and quoting answers do, which is what speculative decoding by prompt lookup serves.
 """
 
 from __future__ import annotations
@@ -56,6 +60,7 @@ class ServeBenchConfig:
     request_timeout_s: float = 600.0  # one request, start to [DONE]
     max_run_s: float = 3600.0  # the whole run; levels not finished by then are left out
     extra_body: str = ""  # JSON object text merged into every request body (e.g. logprobs, response_format)
+    workload: str = "chat"  # one of WORKLOADS
 
     def check(self) -> None:
         """Raise ValueError for a run outside the caps, before anything is sent."""
@@ -63,6 +68,8 @@ class ServeBenchConfig:
             raise ValueError(f"--concurrency: each level must be 1..{MAX_CONCURRENCY}")
         if self.requests_per_level is not None and not 1 <= self.requests_per_level <= MAX_REQUESTS_PER_LEVEL:
             raise ValueError(f"--requests-per-level must be 1..{MAX_REQUESTS_PER_LEVEL}")
+        if self.workload not in WORKLOADS:
+            raise ValueError(f"--workload must be one of {', '.join(WORKLOADS)}")
         if self.max_tokens < 1 or self.prompt_tokens < 1 or self.warmup < 0:
             raise ValueError("--max-tokens and --prompt-tokens must be >= 1, --warmup >= 0")
         if not 0 < self.request_timeout_s <= self.max_run_s:
@@ -88,11 +95,17 @@ def default_requests(concurrency: int) -> int:
     return min(max(8, 2 * concurrency), DEFAULT_REQUESTS_CAP)
 
 
-def make_prompts(seed: int, prompt_tokens: int, count: int) -> list[str]:
+WORKLOADS = ("chat", "copy")
+
+
+def make_prompts(seed: int, prompt_tokens: int, count: int, workload: str = "chat") -> list[str]:
     """The same prompts for every server. The leading number makes each one distinct from its first
     token, so no request reuses another's prefix cache beyond the chat template."""
-    rng = random.Random(f"serve/{seed}/{prompt_tokens}")
+    rng = random.Random(f"serve/{seed}/{prompt_tokens}" + ("" if workload == "chat" else f"/{workload}"))
     num_words = max(1, round(WORDS_PER_TOKEN * prompt_tokens))
+    if workload == "copy":
+        return [f"{i}. Repeat the following passage exactly, word for word, and nothing else.\n\n"
+                f"{prompt_text(rng, num_words)}" for i in range(count)]
     return [f"{i}. {prompt_text(rng, num_words)}" for i in range(count)]
 
 
@@ -203,7 +216,7 @@ async def run_bench(config: ServeBenchConfig) -> ServeRun:
     async with httpx.AsyncClient(base_url=config.url, timeout=30) as http:
         run = ServeRun(config.model or await served_model(http, tenant), [])
     sizes = [config.warmup + config.num_requests(c) for c in config.concurrency]
-    prompts = make_prompts(config.seed, config.prompt_tokens, sum(sizes))  # distinct across levels too
+    prompts = make_prompts(config.seed, config.prompt_tokens, sum(sizes), config.workload)  # distinct across levels
     try:
         async with asyncio.timeout(config.max_run_s):
             for concurrency, size in zip(config.concurrency, sizes, strict=True):
@@ -298,6 +311,8 @@ def add_command(subparsers: argparse._SubParsersAction[argparse.ArgumentParser])
     parser.add_argument("--allow-remote", action="store_true", help="allow a URL that is not on this machine")
     parser.add_argument("--extra-body", default="",
                         help="a JSON object merged into every request body, e.g. '{\"logprobs\": true}'")
+    parser.add_argument("--workload", choices=WORKLOADS, default="chat",
+                        help="chat: seeded filler prompts; copy: each asks for its passage repeated word for word")
     parser.add_argument("--out", help="write the report as JSON here")
     parser.add_argument("--compare", nargs="+", metavar="REPORT",
                         help="print these saved reports side by side (ratios to the first) instead of running")
@@ -311,7 +326,7 @@ def config_from_args(args: argparse.Namespace) -> ServeBenchConfig:
         raise ValueError(f"--concurrency must be comma-separated integers, got {args.concurrency!r}") from exc
     config = ServeBenchConfig(args.url.rstrip("/"), concurrency, args.label, args.requests_per_level, args.max_tokens,
                               args.prompt_tokens, args.model, args.seed, args.api_key, args.warmup,
-                              args.request_timeout, args.max_run_s, args.extra_body)
+                              args.request_timeout, args.max_run_s, args.extra_body, args.workload)
     config.check()
     return config
 

@@ -321,6 +321,21 @@ class KVBlockManager:
         if count:
             self.pins.pin(request.tenant_id, self._hash_chain(request, count)[:count], request.cache_pin_ttl_s)
 
+    def trim(self, request: Request) -> int:
+        """Give back the device blocks past those its tokens need (proposed tokens a verification rejected
+        had slots there); how many. Only blocks never registered can be past them: a block is registered
+        once its tokens are computed, and rejected tokens never are."""
+        held = self._device_tables.get(request.request_id, ())
+        keep = -(-len(request.token_ids) // self.block_size)
+        if len(held) <= keep:
+            return 0
+        table = self._tables[request.request_id]
+        assert table.num_registered <= keep
+        self.device.free(held[keep:])
+        self._device_tables[request.request_id] = held[:keep]
+        self._device_blocks_by_owner[table.owner] -= len(held) - keep
+        return len(held) - keep
+
     def free(self, request_id: str) -> None:
         """Return the request's device and CPU blocks (cached ones stay findable until reused)."""
         table = self._tables.pop(request_id, None)

@@ -26,7 +26,7 @@ from scheduling.gc_pacing import PacedCollector
 from scheduling.prefix_cache import prompt_block_hashes
 from scheduling.request import PriorityClass, Request, RequestId, RequestStatus, TokenEvent
 from scheduling.scheduler import AdmissionError, Scheduler, check_admissible
-from scheduling.snapshot import SchedulerSnapshot, StepCostStats
+from scheduling.snapshot import SchedulerSnapshot, SpeculationStats, StepCostStats
 from tenancy.tenants import TenantRegistry
 
 logger = logging.getLogger(__name__)
@@ -60,6 +60,18 @@ def step_cost_stats(cost: StepCostStats) -> dict[str, Any]:
             "coefficients": None if cost.coefficients is None else dict(cost.coefficients),
             "shaped_steps": cost.shaped_steps, "batch_tokens_deferred": cost.batch_tokens_deferred,
             "itl_target_missed_steps": cost.itl_target_missed_steps}
+
+
+def speculation_stats(stats: SpeculationStats | None) -> dict[str, Any] | None:
+    """Speculative decoding's counts for /stats; None when it is off."""
+    if stats is None:
+        return None
+    acceptance = stats.num_accepted_tokens / stats.num_draft_tokens if stats.num_draft_tokens else None
+    return {"num_drafts": stats.num_drafts, "num_draft_tokens": stats.num_draft_tokens,
+            "num_accepted_tokens": stats.num_accepted_tokens, "acceptance_rate": acceptance,
+            "accepted_per_position": list(stats.accepted_per_position),
+            "by_tenant": {tenant: {"num_drafts": d, "num_draft_tokens": p, "num_accepted_tokens": a}
+                          for tenant, (d, p, a) in sorted(stats.by_tenant.items())}}
 
 
 def tenant_stats(snapshot: SchedulerSnapshot) -> dict[str, dict[str, object]]:
@@ -424,6 +436,7 @@ class Engine(EngineFront):
             "tenants": tenant_stats(s),
             "step_cost": step_cost_stats(s.step_cost),
             "output_lengths": {"rank_correlation": s.output_length_rank_correlation},
+            "speculation": speculation_stats(s.speculation),
             "steps": self.times.steps,
             "forward_seconds": round(self.times.forward_seconds, 6),
             "forward_recompilations": self.times.recompilations,

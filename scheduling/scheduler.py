@@ -6,6 +6,8 @@ built in phases, each within one token budget and one sequence cap:
      max_concurrent, preempt running batch requests;
   2. running requests: interactive before batch, decodes before prefill chunks;
   3. swapped-in and newly admitted requests: interactive first, batch only when no interactive waits.
+  4. speculative decoding, when configured: proposed tokens for the decodes, from what the step left
+     (scheduling/speculation.py); rejected ones' blocks come back in `update`.
 Phases 1 and 3 ask one admission rule (scheduling/admission.py) whether a request may start.
 While interactive requests are active, batch work also has to fit the step's time budget (step
 shaping, scheduling/step_shaper.py); what does not fit keeps its blocks and waits for the next step.
@@ -20,7 +22,7 @@ from collections.abc import Callable, Container, Generator, Iterable, Iterator, 
 from dataclasses import dataclass, field, fields
 from types import MappingProxyType
 
-from contract.plan import BASE_MODEL_SLOT, CacheGeometry, StepPlan, StepResult, TokenLogprobs
+from contract.plan import BASE_MODEL_SLOT, CacheGeometry, ScheduledSequence, StepPlan, StepResult, TokenLogprobs
 from scheduling.admission import AdmissionRule, Hold, RoomNow, Verdict
 from scheduling.block_manager import KVBlockManager
 from scheduling.cache_pins import CachePins
@@ -33,7 +35,8 @@ from scheduling.preemption import PreemptionEvent, PreemptionMode, choose_victim
 from scheduling.queue import RequestQueue, create_request_queue
 from scheduling.queue_order import OrderContext, QueueOrder, QueueOrderName
 from scheduling.request import PriorityClass, Request, RequestId, RequestStatus, TokenEvent, finish_reason
-from scheduling.snapshot import BlockUse, ClassLoad, SchedulerSnapshot, StepCostStats, TierStats
+from scheduling.snapshot import BlockUse, ClassLoad, SchedulerSnapshot, SpeculationStats, StepCostStats, TierStats
+from scheduling.speculation import SpeculationConfig, Speculator, best_draft_count, expected_accepted, may_speculate
 from scheduling.step_builder import StepBuilder
 from scheduling.step_cost import CostCoefficients, StepWork
 from scheduling.step_shaper import ShapingConfig, StepShaper, work_of
@@ -74,6 +77,7 @@ class SchedulerConfig:
     shaping: ShapingConfig = field(default_factory=ShapingConfig)
     max_loras: int = 0  # LoRA adapter slots on the device (scheduling/lora_residency.py); 0: base model only
     max_pinned_blocks_per_tenant: int = 4096  # cache breakpoints' blocks each tenant may pin at once
+    speculation: SpeculationConfig | None = None  # speculative decoding (scheduling/speculation.py); None: off
 
 
 @dataclass(slots=True)
@@ -134,6 +138,7 @@ class Scheduler:
         self._itl_targets: dict[RequestId, float] = {}  # the running requests whose tenant set an ITL target
         self._arrivals_expected = False
         self.lora = LoraResidency(config.max_loras)
+        self.speculator = None if config.speculation is None else Speculator(config.speculation)
 
     # ---- commands -------------------------------------------------------------------------
 
@@ -198,7 +203,9 @@ class Scheduler:
         self._finished_ids = []
         self._expire_pins()
         self._note_interactive_traffic()
-        self._fill(plan)
+        step = self._fill(plan)
+        if step is not None and self.speculator is not None:
+            self._speculate(step, self.speculator)
         plan.tier_copies = self.blocks.take_tier_copies()  # every allocation of the step is made
         return plan
 
@@ -209,17 +216,66 @@ class Scheduler:
             self.pins.expire()
             self._pins_expired_at = self.clock()
 
-    def _fill(self, plan: StepPlan) -> None:
+    def _fill(self, plan: StepPlan) -> StepBuilder | None:
+        """The step's work; its builder, unless the step preempted (then nothing else is added to it)."""
         step = StepBuilder(plan, self.config.max_num_batched_tokens, self.blocks,
                            batch_floor_tokens=self._batch_reserve())
         made_room, interactive_demand = self._make_room_for_interactive(plan, step.tokens_left)
         if self._schedule_running(step, interactive_demand):
-            return  # bringing work in right after pushing work out would only thrash
+            return None  # bringing work in right after pushing work out would only thrash
         self._open_shaped_budget(step, interactive_demand)
         # Room made for interactive requests is theirs in this very plan (the runner swaps out before
         # the forward); batch work waits for the next step. What must stay true: every swap-out of a
         # plan is decided before any swap-in, so no CPU block is freed and reused within one plan.
         self._resume_and_admit(step, (PriorityClass.INTERACTIVE,) if made_room else CLASSES, interactive_demand)
+        return step
+
+    def _speculate(self, step: StepBuilder, speculator: Speculator) -> None:
+        """Proposed tokens for the step's decodes, last, from what the step left: a proposal never takes a
+        prompt's tokens or blocks. Each decode verifies the number of its proposals that makes the step's
+        expected tokens per second highest (scheduling/speculation.py), interactive ones first."""
+        plan, cost_model = step.plan, self.shaper.cost_model
+        coefficients = cost_model.coefficients
+        predicted_s = cost_model.predict(work_of(plan, swaps=False)) if coefficients is not None else None
+        expected_tokens = float(sum(1 for seq in plan.sequences if seq.needs_sample))
+        for seq in [s for s in plan.sequences if len(s.token_ids) == 1 and s.needs_sample]:
+            request = self.requests.get(seq.request_id)  # type: ignore[call-overload]  # a str that is a RequestId
+            cap = min(speculator.config.num_speculative_tokens, step.tokens_left,
+                      request.max_tokens - request.num_output_tokens - 1,
+                      self.geometry.max_model_len - len(request.token_ids) - 1) if request is not None else 0
+            if cap <= 0 or not may_speculate(request.sampling):
+                continue
+            drafts = speculator.propose(request.request_id, request.tenant_id, request.token_ids, cap)
+            if not drafts:
+                continue
+            rate = speculator.acceptance_rate(request.request_id)
+            if coefficients is None or predicted_s is None:  # nothing measured yet: verify them all
+                k, added_s = len(drafts), 0.0
+            else:
+                k, added_s = best_draft_count(len(drafts), rate, seq.start_position, step.num_tokens, expected_tokens,
+                                              predicted_s, coefficients, cost_model.residual)
+            if step.shaped_time_left_s is not None:
+                k = k if added_s <= step.shaped_time_left_s else 0
+            k = self._room_for_drafts(request, k)
+            if k <= 0:
+                continue
+            seq.token_ids += drafts[:k]
+            seq.num_draft_tokens = k
+            seq.block_table = self.blocks.block_table(request.request_id)
+            step.tokens_left -= k
+            step.num_tokens += k
+            if step.shaped_time_left_s is not None:
+                step.shaped_time_left_s = max(0.0, step.shaped_time_left_s - added_s)
+            if predicted_s is not None:
+                predicted_s += added_s
+            expected_tokens += expected_accepted(rate, k)
+
+    def _room_for_drafts(self, request: Request, k: int) -> int:
+        """k, or as many proposals as the request's blocks hold when no fresh block is free for them."""
+        if k <= 0 or self.blocks.allocate(request, 1 + k):
+            return k
+        held = self.blocks.num_device_blocks(request.request_id) * self.geometry.block_size
+        return min(k, held - request.num_computed_tokens - 1)
 
     def _batch_reserve(self) -> int:
         """batch_min_share's tokens while any batch request is unfinished (waiting, running or swapped)."""
@@ -555,6 +611,9 @@ class Scheduler:
             request = requests.get(request_id)  # type: ignore[call-overload]  # a str that is a RequestId
             if request is None or request.status is not running:
                 continue
+            if seq.num_draft_tokens:
+                events.append(self._take_verified(request, seq, result, sampled_by_class[request.priority]))
+                continue
             start, num_fed = seq.start_position, len(seq.token_ids)
             if start < request.num_prompt_tokens:
                 self._charge_prompt(request, start, num_fed)
@@ -584,6 +643,40 @@ class Scheduler:
         for priority, sampled_by_tenant in sampled_by_class.items():
             self.vtc[priority].charge_sampled(sampled_by_tenant)
         return events
+
+    def _take_verified(self, request: Request, seq: ScheduledSequence, result: StepResult,
+                       sampled_by_tenant: dict[str, int]) -> TokenEvent:
+        """A decode that verified proposals: its accepted tokens and the one after them, up to a stop token or
+        its length; the blocks past them go back. The tenant is charged for every token computed for it, the
+        rejected proposals too, so that speculating cannot buy more than its share."""
+        assert self.speculator is not None
+        emitted = result.verified[seq.request_id]
+        num_accepted = len(emitted) - 1
+        self.speculator.observe(request.request_id, request.tenant_id, seq.num_draft_tokens, num_accepted)
+        sampled_by_tenant[request.tenant_id] = sampled_by_tenant.get(request.tenant_id, 0) + len(seq.token_ids)
+        kept: list[int] = []
+        status = None
+        token_ids, max_model_len = request.token_ids, self.geometry.max_model_len
+        for token in emitted:
+            token_ids.append(token)
+            kept.append(token)
+            if token in request.stop_token_ids:
+                status = RequestStatus.FINISHED_STOPPED
+            elif len(token_ids) - request.num_prompt_tokens >= request.max_tokens or len(token_ids) >= max_model_len:
+                status = RequestStatus.FINISHED_LENGTH
+            if status is not None:
+                break
+        # The fed token and the accepted proposals kept have their K/V now; the last token kept is computed next.
+        request.num_computed_tokens = seq.start_position + len(kept)
+        block_size = self.geometry.block_size
+        if request.num_computed_tokens // block_size > seq.start_position // block_size:
+            self.blocks.cache_computed_blocks(request)
+        reason = None if status is None else self._finish(request, status)
+        if reason is None:
+            self.blocks.trim(request)
+        logprobs = result.verified_logprobs.get(seq.request_id, ())[:len(kept)]
+        return TokenEvent(request.request_id, tuple(kept), reason, request.num_prompt_tokens,
+                          request.num_output_tokens, request.num_cached_tokens, None, logprobs)
 
     @staticmethod
     def _keep_prompt_logprobs(request: Request, first_position: int, entries: tuple[TokenLogprobs, ...]) -> None:
@@ -643,6 +736,8 @@ class Scheduler:
             self.counters.num_finished += 1
         if status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH):  # ended by itself
             self.output_lengths.observe(request)
+        if self.speculator is not None:
+            self.speculator.finished(request.request_id, request.tenant_id, request.output_token_ids)
         return finish_reason(status)
 
     @staticmethod
@@ -691,7 +786,16 @@ class Scheduler:
             step_cost=self._step_cost_stats(),
             tiers=self._tier_stats(),
             output_length_rank_correlation=self.output_lengths.rank_correlation,
+            speculation=self._speculation_stats(),
         )
+
+    def _speculation_stats(self) -> SpeculationStats | None:
+        if self.speculator is None:
+            return None
+        c = self.speculator.counters
+        return SpeculationStats(c.num_drafts, c.num_draft_tokens, c.num_accepted_tokens,
+                                tuple(c.accepted_per_position),
+                                MappingProxyType({t: (d, p, a) for t, (d, p, a) in c.by_tenant.items()}))
 
     def _tier_stats(self) -> Mapping[str, TierStats]:
         tiers = self.blocks.tiers

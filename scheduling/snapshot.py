@@ -60,6 +60,18 @@ class StepCostStats:
 
 
 @dataclass(slots=True, frozen=True)
+class SpeculationStats:
+    """Speculative decoding's counts (vLLM's spec_decode counters), in all and per tenant."""
+
+    num_drafts: int = 0  # decodes that verified proposals
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: tuple[int, ...] = ()
+    by_tenant: Mapping[str, tuple[int, int, int]] = field(default_factory=lambda: MappingProxyType({}))  # drafts,
+    # draft tokens, accepted tokens
+
+
+@dataclass(slots=True, frozen=True)
 class SchedulerSnapshot:
     step: int  # how many steps were scheduled before it
     by_class: Mapping[str, ClassLoad]  # class name -> its requests by state
@@ -80,6 +92,7 @@ class SchedulerSnapshot:
     tiers: Mapping[str, TierStats] = field(default_factory=lambda: MappingProxyType({}))  # "host", "disk" when set
     # Spearman's rho of predicted against actual output lengths, recent requests (scheduling/output_lengths.py)
     output_length_rank_correlation: float | None = None
+    speculation: SpeculationStats | None = None  # None: speculative decoding is off
 
     @property
     def running(self) -> int:

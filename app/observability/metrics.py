@@ -310,6 +310,7 @@ class EngineCollector(Collector):
         yield from self._memory(snapshot, families)
         yield from self._scheduler_counters(snapshot, families)
         yield from self._step_cost(snapshot, families)
+        yield from self._speculation(snapshot, families)
 
     def _requests(self, snapshot: SchedulerSnapshot, families: _Families) -> Iterator[_Family]:
         by_class = requests_by_class(snapshot)
@@ -383,6 +384,26 @@ class EngineCollector(Collector):
                       ).add(cost.batch_tokens_deferred)
         yield counter("itl_target_missed_steps", "Steps whose interactive work alone was predicted past the "
                       "fixed ITL target.").add(cost.itl_target_missed_steps)
+
+    def _speculation(self, snapshot: SchedulerSnapshot, families: _Families) -> Iterator[_Family]:
+        """vLLM's spec_decode counters, by tenant; absent while speculative decoding is off."""
+        stats = snapshot.speculation
+        if stats is None:
+            return
+        counter = families.counter
+        drafts = counter("spec_decode_num_drafts", "Decodes that verified proposed tokens.", "tenant")
+        proposed = counter("spec_decode_num_draft_tokens", "Proposed tokens verified.", "tenant")
+        accepted = counter("spec_decode_num_accepted_tokens", "Proposed tokens accepted.", "tenant")
+        for tenant, (num_drafts, num_proposed, num_accepted) in sorted(stats.by_tenant.items()):
+            label = self._labels(tenant)
+            drafts.add(num_drafts, label)
+            proposed.add(num_proposed, label)
+            accepted.add(num_accepted, label)
+        per_position = counter("spec_decode_num_accepted_tokens_per_pos",
+                               "Proposed tokens accepted, by their position in the proposal.", "position")
+        for position, count in enumerate(stats.accepted_per_position):
+            per_position.add(count, str(position))
+        yield from (drafts, proposed, accepted, per_position)
 
     def _request_counters(self) -> Iterator[_Family]:
         counts = self._counts

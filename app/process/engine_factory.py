@@ -16,6 +16,7 @@ from gpu.models import LoadedModel, load_model
 from gpu.runner import ModelRunner, RunnerBudget
 from scheduling.engine import Engine
 from scheduling.scheduler import Scheduler, SchedulerConfig
+from scheduling.speculation import SpeculationConfig
 from scheduling.step_shaper import ShapingConfig
 from tenancy.tenants import TenantRegistry, load_tenants
 from tenancy.vtc import ServiceWeights
@@ -90,7 +91,15 @@ def scheduler_config_of(settings: Settings) -> SchedulerConfig:
                            enable_prefix_caching=settings.enable_prefix_caching,
                            shaping=shaping_config_of(settings),
                            max_loras=settings.max_loras if settings.enable_lora else 0,
-                           max_pinned_blocks_per_tenant=settings.cache_pin_max_tokens // settings.block_size)
+                           max_pinned_blocks_per_tenant=settings.cache_pin_max_tokens // settings.block_size,
+                           speculation=speculation_config_of(settings))
+
+
+def speculation_config_of(settings: Settings) -> SpeculationConfig | None:
+    spec = settings.speculative_config
+    if spec is None:
+        return None
+    return SpeculationConfig(spec.method, spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
 
 
 def shaping_config_of(settings: Settings) -> ShapingConfig:

@@ -47,6 +47,9 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-loras", type=int, help="adapter slots on the device (default 4)")
     parser.add_argument("--max-cpu-loras", type=int, help="adapters kept read in CPU memory (default 2 x max-loras)")
     parser.add_argument("--max-lora-rank", type=int, help="the largest adapter rank served (default 16)")
+    parser.add_argument("--speculative-config", dest="speculative_config", metavar="JSON",
+                        help='speculative decoding as vLLM takes it, e.g. \'{"method": "ngram", '
+                             '"num_speculative_tokens": 4}\' (methods: ngram, suffix)')
     parser.add_argument("--lora-modules", nargs="+", action="extend", metavar="NAME=PATH",
                         help="an adapter served from start-up to every tenant; repeatable")
 
@@ -55,7 +58,8 @@ MODEL_FLAG_KEYS = ("model", "device", "dtype", "quantization", "linear_kernels",
                    "max_num_batched_tokens", "kv_cache_bytes", "kv_cache_memory_fraction", "block_size",
                    "kv_cache_dtype",
                    "compile_mode", "compile_scope", "compile_wait", "kv_host_cache_bytes", "kv_disk_cache_path",
-                   "kv_disk_cache_bytes", "enable_lora", "max_loras", "max_cpu_loras", "max_lora_rank", "lora_modules")
+                   "kv_disk_cache_bytes", "enable_lora", "max_loras", "max_cpu_loras", "max_lora_rank", "lora_modules",
+                   "speculative_config")
 
 
 def settings_from_args(args: argparse.Namespace, extra_keys: Sequence[str] = ()) -> Settings:

@@ -171,16 +171,29 @@ class InstantExecutor:
     def execute(self, plan: StepPlan) -> StepResult:
         for request_id in plan.finished_request_ids:
             self._num_sampled.pop(request_id, None)
-        sampled: dict[str, int] = {}
+        result = StepResult()
         for seq in plan.sequences:
-            if seq.needs_sample:
-                index = self._num_sampled.get(seq.request_id, 0)
-                if self._end_token is not None and index >= len(self._script):
-                    sampled[seq.request_id] = self._end_token
-                else:
-                    sampled[seq.request_id] = self._script[index % len(self._script)]
-                self._num_sampled[seq.request_id] = index + 1
-        return StepResult(sampled_token_ids=sampled)
+            if seq.needs_sample and seq.num_draft_tokens:
+                result.verified[seq.request_id] = self._verify(seq)
+            elif seq.needs_sample:
+                result.sampled_token_ids[seq.request_id] = self._next(seq.request_id)
+        return result
+
+    def _next(self, request_id: str) -> int:
+        index = self._num_sampled.get(request_id, 0)
+        self._num_sampled[request_id] = index + 1
+        if self._end_token is not None and index >= len(self._script):
+            return self._end_token
+        return self._script[index % len(self._script)]
+
+    def _verify(self, seq: ScheduledSequence) -> tuple[int, ...]:
+        """Proposals are accepted while they are the script's next bytes, as greedy verification does."""
+        emitted: list[int] = []
+        for draft in seq.token_ids[len(seq.token_ids) - seq.num_draft_tokens:]:
+            emitted.append(self._next(seq.request_id))
+            if emitted[-1] != draft:
+                return tuple(emitted)
+        return (*emitted, self._next(seq.request_id))
 
 
 def script_text(num_tokens: int, script: bytes = SCRIPT) -> str:

@@ -131,8 +131,10 @@ class Settings(BaseModel):
     # Step shaping: while interactive requests are active, a step holds only as much batch work as keeps its
     # predicted time within the interactive target (scheduling/step_shaper.py).
     step_shaping: bool = True
-    # Speculative decoding (vLLM's --speculative-config, as JSON or a table); None: off.
-    speculative_config: SpeculativeConfig | None = None
+    # Speculative decoding (vLLM's --speculative-config, as JSON or a table; "none" or "off": off). On by
+    # default: on the default model it never lost a level of `fairlane bench serve`, and the scheduler
+    # verifies no proposal where the step cost model says it does not pay (docs/speculative-decoding.md).
+    speculative_config: SpeculativeConfig | None = SpeculativeConfig(method="ngram", num_speculative_tokens=8)
     interactive_itl_target_ms: float | None = Field(default=None, gt=0)  # fixed; None: derived as below
     interactive_itl_slack: float = Field(default=1.1, ge=1.0)  # target = this x the interactive work's own time,
     interactive_itl_decodes: float = Field(default=2.0, ge=0.0)  # and at least this x a lone decode step's time
@@ -221,7 +223,9 @@ class Settings(BaseModel):
     @field_validator("speculative_config", mode="before")
     @classmethod
     def _speculative_json(cls, value: Any) -> Any:
-        """--speculative-config and FAIRLANE_SPECULATIVE_CONFIG give JSON text."""
+        """--speculative-config and FAIRLANE_SPECULATIVE_CONFIG give JSON text, or "none" / "off"."""
+        if isinstance(value, str) and value.strip().lower() in ("none", "off", "null"):
+            return None
         if isinstance(value, str):
             try:
                 return json.loads(value)

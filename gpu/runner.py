@@ -256,7 +256,8 @@ class ModelRunner:
             result.failed_lora_loads = self.lora.load(plan.lora_loads)
         if not plan.sequences:
             return result
-        ordered = decodes_first(plan.sequences)
+        sequences = self.matchers.cut_drafts(plan.sequences) if self._has_constrained_drafts(plan) else plan.sequences
+        ordered = decodes_first(sequences)
         sampling = [seq for seq in ordered if seq.needs_sample]
         masks = self.matchers.masks(sampling)
         forward_started = time.perf_counter()
@@ -279,11 +280,16 @@ class ModelRunner:
             result.sampled_token_ids = {s.request_id: t for s, t in zip(sampling, tokens, strict=True)}
         return result
 
+    @staticmethod
+    def _has_constrained_drafts(plan: StepPlan) -> bool:
+        return any(seq.num_draft_tokens and seq.sampling.structured is not None for seq in plan.sequences)
+
     def _verify(self, logits: torch.Tensor, sampling: list[ScheduledSequence], masks: TokenMasks | None,
                 result: StepResult) -> None:
         """A step with proposals: sequences that had some answer in `verified`, the others as usual."""
         emitted, logprobs = verify_step(self.sampler, logits, sampling, masks)
-        self.matchers.advance(sampling, [tokens[-1] for tokens in emitted])  # constrained ones have no proposals
+        self.matchers.advance([seq for seq, tokens in zip(sampling, emitted, strict=True) for _ in tokens],
+                              [token for tokens in emitted for token in tokens])
         for seq, tokens in zip(sampling, emitted, strict=True):
             if seq.num_draft_tokens:
                 result.verified[seq.request_id] = tuple(tokens)

@@ -32,7 +32,8 @@ import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from itertools import accumulate
 from typing import TYPE_CHECKING, Any
 
 import llguidance
@@ -193,7 +194,7 @@ class TokenMasks:
     """The allowed tokens of the constrained rows of one sample step."""
 
     bitmask: torch.Tensor  # [len(rows), ceil(vocab / 32)] int32 on the CPU; a set bit allows its token
-    rows: list[int]  # the rows (of the step's sampled sequences) that bitmask's rows belong to
+    rows: list[int]  # the logits rows (of the step's sampled sequences) that bitmask's rows belong to
 
     def constrain(self, processed: torch.Tensor, raw: torch.Tensor) -> torch.Tensor:
         """`processed` with each constrained row's disallowed tokens at -inf. `raw` (the model's
@@ -239,23 +240,64 @@ class GrammarMatchers:
             self._matchers.pop(request_id, None)
 
     def masks(self, sequences: Sequence[ScheduledSequence]) -> TokenMasks | None:
-        """The masks of the constrained rows among `sequences` (the rows to sample, in order); None
-        when no row is constrained, so unconstrained batches cost nothing."""
-        rows = [row for row, seq in enumerate(sequences) if seq.sampling.structured is not None]
-        if not rows:
+        """The masks of the constrained rows among the logits rows of `sequences` (the sequences to sample,
+        in order, one row each and one more per proposed token); None when no row is constrained, so
+        unconstrained batches cost nothing. A proposal's row is masked as the grammar stands once the
+        proposals before it are consumed."""
+        firsts = list(accumulate((1 + seq.num_draft_tokens for seq in sequences), initial=0))
+        constrained = [index for index, seq in enumerate(sequences) if seq.sampling.structured is not None]
+        if not constrained:
             return None
+        rows = [firsts[index] + j for index in constrained for j in range(1 + sequences[index].num_draft_tokens)]
+        position_of = {row: position for position, row in enumerate(rows)}
         bitmask = torch.zeros((len(rows), self._words), dtype=torch.int32)
         active: list[tuple[llguidance.LLMatcher, int]] = []
-        for position, row in enumerate(rows):
-            matcher = self._matcher(sequences[row])
+        for index in constrained:
+            matcher = self._matcher(sequences[index])
             if matcher is not None:
-                active.append((matcher, position))
+                active.append((matcher, position_of[firsts[index]]))
         if active:
             self._fill(active, bitmask)
-        for position, row in enumerate(rows):
-            if self._matchers[sequences[row].request_id] is None:
-                bitmask[position] = self._stop_only
+        for index in constrained:
+            seq = sequences[index]
+            matcher = self._matchers[seq.request_id]
+            if matcher is None:
+                for j in range(1 + seq.num_draft_tokens):
+                    bitmask[position_of[firsts[index] + j]] = self._stop_only
+            elif seq.num_draft_tokens:
+                self._fill_draft_rows(matcher, seq, [position_of[firsts[index] + j]
+                                                     for j in range(1, 1 + seq.num_draft_tokens)], bitmask)
         return TokenMasks(bitmask, rows)
+
+    def _fill_draft_rows(self, matcher: llguidance.LLMatcher, seq: ScheduledSequence, positions: list[int],
+                         bitmask: torch.Tensor) -> None:
+        """The masks after each proposal, consumed one at a time and rolled back: the matcher is advanced by
+        what the verification emits. `cut_drafts` left only proposals the grammar admits."""
+        drafts = seq.token_ids[len(seq.token_ids) - seq.num_draft_tokens:]
+        consumed = 0
+        for token, position in zip(drafts, positions, strict=True):
+            if matcher.is_stopped() or not matcher.consume_token(token):
+                bitmask[position] = self._stop_only  # never reached: verification stops at the row before
+                continue
+            consumed += 1
+            self._fill([(matcher, position)], bitmask)
+        if consumed:
+            matcher.rollback(consumed)
+
+    def cut_drafts(self, sequences: Sequence[ScheduledSequence]) -> list[ScheduledSequence]:
+        """The sequences, each constrained one's proposals cut before the first its grammar rejects: a
+        proposal the grammar rejects is not computed."""
+        cut = list(sequences)
+        for index, seq in enumerate(sequences):
+            if not seq.num_draft_tokens or seq.sampling.structured is None:
+                continue
+            matcher = self._matcher(seq)
+            drafts = seq.token_ids[len(seq.token_ids) - seq.num_draft_tokens:]
+            valid = 0 if matcher is None or matcher.is_stopped() else matcher.validate_tokens(drafts)
+            if valid < len(drafts):
+                cut[index] = replace(seq, token_ids=seq.token_ids[:len(seq.token_ids) - len(drafts) + valid],
+                                     num_draft_tokens=valid)
+        return cut
 
     def advance(self, sequences: Sequence[ScheduledSequence], tokens: Sequence[int]) -> None:
         """Feed each constrained row its sampled token."""

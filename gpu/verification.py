@@ -48,7 +48,7 @@ def num_rows(seq: ScheduledSequence) -> int:
 def verify_step(sampler: Sampler, logits: torch.Tensor, sequences: Sequence[ScheduledSequence],
                 masks: TokenMasks | None = None) -> tuple[list[list[int]], dict[str, tuple[TokenLogprobs, ...]]]:
     """logits: [rows, vocab] float32, `num_rows(seq)` consecutive rows per sequence, in order; masks: the
-    grammars of the constrained sequences (never ones with proposals), by sequence index. Returns the tokens
+    grammars of the constrained rows. Returns the tokens
     each sequence emits (accepted proposals, then one) and the log probabilities of the requests that asked."""
     layout: list[_Rows] = []
     params: list[SamplingParams] = []
@@ -62,8 +62,8 @@ def verify_step(sampler: Sampler, logits: torch.Tensor, sequences: Sequence[Sche
             prompts.append(seq.prompt_token_ids)
             outputs.append((*seq.output_token_ids, *drafts[:j]))
     processed = process_logits(logits, params, prompts, outputs)
-    if masks is not None:  # by sequence; a constrained sequence has one row
-        processed = TokenMasks(masks.bitmask, [layout[row].first for row in masks.rows]).constrain(processed, logits)
+    if masks is not None:  # by logits row (GrammarMatchers.masks)
+        processed = masks.constrain(processed, logits)
     argmax = torch.argmax(processed, dim=-1).tolist()
     sampled_rows = [row for row, p in enumerate(params) if not p.is_greedy]
     probs = filtered_probs(processed[sampled_rows], [params[r] for r in sampled_rows], logits.device) \

@@ -5,7 +5,7 @@ fresh server shapes nothing for its first steps, and then predicts from what it 
 server whose first traffic was a batch flood had seen only full 512-token steps, and extrapolated from
 them to the small steps it shapes. Before its first step (and again when the runner changes its forward,
 the eager one for the compiled one) the engine runs these steps, each kind the shaper weighs: decodes
-alone at four batch sizes, prompt chunks of three lengths, a chunk that continues a long context, and
+alone at eight batch sizes, prompt chunks of three lengths, a chunk that continues a long context, and
 decodes beside a chunk. Each runs twice; their times anchor every later fit.
 
 The steps compute over free device blocks the scheduler takes from its pool for the step and gives back
@@ -33,7 +33,10 @@ class StepShape:
 
 
 SHAPES = (
-    StepShape(num_decodes=1), StepShape(num_decodes=4), StepShape(num_decodes=8), StepShape(num_decodes=16),
+    # Decodes alone at every few row counts: the small steps whose kernels change with each few rows, where
+    # speculative decoding weighs each proposed row (scheduling/speculation.py).
+    StepShape(num_decodes=1), StepShape(num_decodes=2), StepShape(num_decodes=3), StepShape(num_decodes=4),
+    StepShape(num_decodes=6), StepShape(num_decodes=8), StepShape(num_decodes=12), StepShape(num_decodes=16),
     StepShape(chunk_tokens=16), StepShape(chunk_tokens=64), StepShape(chunk_tokens=256),
     StepShape(chunk_tokens=64, chunk_start=256), StepShape(num_decodes=4, chunk_tokens=64),
 )

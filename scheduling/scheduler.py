@@ -650,7 +650,8 @@ class Scheduler:
         its length; the blocks past them go back. The tenant is charged for every token computed for it, the
         rejected proposals too, so that speculating cannot buy more than its share."""
         assert self.speculator is not None
-        emitted = result.verified[seq.request_id]
+        # An executor that verifies nothing answers with one sampled token: every proposal rejected.
+        emitted = result.verified.get(seq.request_id) or (result.sampled_token_ids[seq.request_id],)
         num_accepted = len(emitted) - 1
         self.speculator.observe(request.request_id, request.tenant_id, seq.num_draft_tokens, num_accepted)
         sampled_by_tenant[request.tenant_id] = sampled_by_tenant.get(request.tenant_id, 0) + len(seq.token_ids)

@@ -7,8 +7,9 @@ more come back. Proposals cost no second model here:
 
 - `ngram` (prompt lookup, as vLLM's and llama.cpp's): the longest of the request's last n tokens
   (prompt_lookup_max down to prompt_lookup_min) that occurred before in its prompt or output proposes the
-  tokens that followed its latest occurrence. Code edits, rewrites, quoting answers and agents re-emitting
-  tool arguments copy long spans of their context.
+  tokens that followed its latest occurrence (and, past the end of the context, what the proposal itself
+  says follows: an occurrence p tokens back proposes a loop of period p). Code edits, rewrites, quoting
+  answers and agents re-emitting tool arguments copy long spans of their context.
 - `suffix`: the same over the request's own tokens first, then over its tenant's recent outputs (agents
   repeat themselves across requests). A tenant's outputs never propose for another tenant.
 
@@ -90,7 +91,10 @@ class NgramProposer:
         start, n = index.continuation(tokens, length)
         if start < 0:
             return [], 0
-        return list(tokens[start:min(start + k, length)]), n
+        # Copying on from the match: once the copy reaches the end of the context, it copies its own proposals,
+        # so a match that ended p tokens ago proposes a loop of period p (a model repeating a phrase).
+        period = length - start
+        return [tokens[start + i % period] for i in range(k)], n
 
     def forget(self, request_id: str) -> None:
         self._indexes.pop(request_id, None)
@@ -221,10 +225,10 @@ def expected_accepted(rate: float, k: int) -> float:
 
 
 def may_speculate(sampling: SamplingParams) -> bool:
-    """Whether a request's decodes may carry proposals. Not under a grammar (a proposal would have to be
-    checked against it first), nor when sampling with a seed: a seeded request draws once per token from
-    its own generator, and its tokens must not depend on how many proposals the load let it verify."""
-    return sampling.structured is None and (sampling.is_greedy or sampling.seed is None)
+    """Whether a request's decodes may carry proposals. Not when sampling with a seed: a seeded request
+    draws once per token from its own generator, and its tokens must not depend on how many proposals the
+    load let it verify. (Under a grammar they may: the runner cuts a proposal its grammar rejects.)"""
+    return sampling.is_greedy or sampling.seed is None
 
 
 def best_draft_count(num_drafts: int, rate: float, start_position: int, step_tokens: int, expected_tokens: float,
@@ -238,7 +242,7 @@ def best_draft_count(num_drafts: int, rate: float, start_position: int, step_tok
         return num_drafts, 0.0
     best_k, best_added_s, best_rate = 0, 0.0, expected_tokens / predicted_s
     for k in range(1, num_drafts + 1):
-        added_s = max(0.0, coefficients.per_token_s * k
+        added_s = max(0.0, (coefficients.per_token_s + coefficients.per_sequence_s) * k  # as k more decodes
                       + coefficients.per_attention_s * (sequence_attention(1 + k, start_position)
                                                         - sequence_attention(1, start_position))
                       + residual(step_tokens + k) - residual(step_tokens))

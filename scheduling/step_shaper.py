@@ -204,12 +204,14 @@ def combined(work: StepWork, other: StepWork, swapped_blocks: int) -> StepWork:
 def work_of(plan: StepPlan, swaps: bool = True) -> StepWork:
     """What the plan holds, as the cost model counts it (counted when needed: not for every sequence added).
     Once per step over every sequence: `StepWork.add_sequence`'s sums, without a call for each."""
-    num_tokens, context_read = 0, 0.0
+    num_tokens, num_drafts, context_read = 0, 0, 0.0
     for seq in plan.sequences:
         num_new = len(seq.token_ids)
         num_tokens += num_new
+        num_drafts += seq.num_draft_tokens
         context_read += num_new * (seq.start_position + (num_new + 1) / 2)
-    return StepWork(num_tokens, len(plan.sequences), context_read / ATTENTION_UNIT,
+    # A proposed token verified is sampled like a decode: it counts as a sequence (see StepWork).
+    return StepWork(num_tokens, len(plan.sequences) + num_drafts, context_read / ATTENTION_UNIT,
                     len(plan.swap_out) + len(plan.swap_in) if swaps else 0)
 
 

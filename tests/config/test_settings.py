@@ -7,7 +7,7 @@ from pathlib import Path
 import pydantic
 import pytest
 
-from config.settings import Settings, SettingsError, load_settings
+from config.settings import Settings, SettingsError, SpeculativeConfig, load_settings
 
 
 def write_toml(tmp_path: Path, text: str) -> Path:
@@ -100,3 +100,27 @@ def test_settings_are_frozen() -> None:
     settings = load_settings(environ={})
     with pytest.raises(pydantic.ValidationError):
         settings.port = 1  # type: ignore[misc]
+
+
+def test_speculative_config_takes_vllms_json_and_none_turns_it_off(tmp_path: Path) -> None:
+    assert load_settings(environ={}).speculative_config == SpeculativeConfig(method="ngram", num_speculative_tokens=8)
+    flag = load_settings(environ={}, overrides={"speculative_config": '{"method": "suffix", "prompt_lookup_max": 3}'})
+    assert flag.speculative_config == SpeculativeConfig(method="suffix", prompt_lookup_max=3)
+    assert load_settings(environ={"FAIRLANE_SPECULATIVE_CONFIG": "none"}).speculative_config is None
+    assert load_settings(environ={}, overrides={"speculative_config": "off"}).speculative_config is None
+    toml = tmp_path / "fairlane.toml"
+    toml.write_text('[speculative_config]\nmethod = "ngram"\nnum_speculative_tokens = 3\n')
+    assert load_settings(toml, environ={}).speculative_config == SpeculativeConfig(method="ngram",
+                                                                                   num_speculative_tokens=3)
+
+
+@pytest.mark.parametrize(("value", "message"), [
+    ('{"method": "draft_model", "model": "x"}', "draft_model is not supported"),
+    ('{"method": "eagle3"}', "method"),
+    ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens"),
+    ('{"method": "ngram", "prompt_lookup_min": 4, "prompt_lookup_max": 2}', "prompt_lookup_min"),
+    ('{"method": "ngram"', "not valid JSON"),
+])
+def test_a_bad_speculative_config_names_what_is_wrong(value: str, message: str) -> None:
+    with pytest.raises(SettingsError, match=message):
+        load_settings(environ={}, overrides={"speculative_config": value})

@@ -1,25 +1,32 @@
 """Speculative decoding on the real runner (builtin:tiny, float32): greedy output token for token what Hugging
-Face generate gives with speculation on, for each proposer, through chunked prefill, preemption by swap and
-recompute, prefix-cache hits and penalties; log probabilities as without it; every block back; and
-rejection sampling keeps the target distribution (a chi-square bound over many draws)."""
+Face generate (or peft) gives with speculation on, for each proposer, through chunked prefill, preemption by
+swap and recompute, prefix-cache hits, penalties, grammars and LoRA adapters; log probabilities as without
+it; every block back; and rejection sampling keeps the target distribution (a chi-square bound over many
+draws)."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 from collections import Counter
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from contract.plan import SamplingParams, ScheduledSequence
-from gpu.models import LoadedModel
+from contract.plan import LoraRef, SamplingParams, ScheduledSequence, StructuredOutput
+from gpu.lora import LoraServing
+from gpu.models import LoadedModel, load_model
+from gpu.runner import ModelRunner, RunnerBudget, kv_shape_of
 from gpu.sampler import Sampler
+from gpu.structured import GrammarCache, GrammarMatchers, mask_offsets
+from gpu.tokenizer import ByteTokenizer
 from gpu.verification import verify_step
 from scheduling.engine import Engine
 from scheduling.request import Request, TokenEvent
-from scheduling.scheduler import SchedulerConfig
+from scheduling.scheduler import Scheduler, SchedulerConfig
 from scheduling.speculation import SpeculationConfig, Speculator
 from tests.factories import (
     assert_kv_all_free,
@@ -32,6 +39,8 @@ from tests.factories import (
     tokens_of,
 )
 from tests.gpu.reference import GreedyCase, byte_prompt, hf_greedy
+from tests.gpu.test_lora import save_adapter
+from tests.scheduling.test_lora_preemption import reference
 
 NGRAM = SpeculationConfig("ngram", num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=4)
 SUFFIX = SpeculationConfig("suffix", num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=4)
@@ -202,3 +211,73 @@ def test_rejection_sampling_keeps_the_target_distribution() -> None:
     # and the proposals were accepted as often as the target gives them
     assert first[drafts[0]] / count == pytest.approx(float(target[0, drafts[0]]), abs=0.02)
     assert all(1 <= len(tokens) <= 3 for tokens in emitted)
+
+
+def test_proposals_a_grammar_rejects_are_cut_and_each_row_is_masked_after_those_before() -> None:
+    tokenizer = ByteTokenizer()
+    matchers = GrammarMatchers(GrammarCache(tokenizer, ByteTokenizer.VOCAB_SIZE))
+    pattern = SamplingParams(structured=StructuredOutput("regex", "(ab|cd)+!"))
+    first = ScheduledSequence("r", [0], 0, (), True, pattern)
+    matchers.masks([first])  # the request's first sample makes its matcher
+    matchers.advance([first], [ord("a")])
+    proposed = ScheduledSequence("r", [ord("a"), ord("b"), ord("c"), ord("x"), ord("d")], 1, (), True, pattern,
+                                 num_draft_tokens=4)
+    [cut] = matchers.cut_drafts([proposed])
+    assert cut.token_ids == [ord("a"), ord("b"), ord("c")] and cut.num_draft_tokens == 2  # "x" and after: cut
+    masks = matchers.masks([cut])
+    assert masks is not None and masks.rows == [0, 1, 2]
+    offsets = mask_offsets(masks.bitmask, ByteTokenizer.VOCAB_SIZE, torch.device("cpu"))
+    allowed = [set(torch.isfinite(offsets[row]).nonzero()[:, 0].tolist()) for row in range(3)]
+    assert allowed == [{ord("b")}, {ord("a"), ord("c"), ord("!")}, {ord("d")}]
+    matchers.advance([cut, cut], [ord("b"), ord("!")])  # the matcher was rolled back: it takes what was emitted
+    assert matchers.masks([first]) is not None
+
+
+async def test_a_grammar_holds_with_speculation_and_the_output_is_unchanged(tiny_model: LoadedModel) -> None:
+    """JSON schemas under greedy decoding, with proposals from the unconstrained answer (so many the grammar
+    rejects): the same valid JSON as without speculation."""
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                               "n": {"type": "integer", "minimum": 0, "maximum": 99}},
+              "required": ["name", "n"], "additionalProperties": False}
+    sampling = SamplingParams(structured=StructuredOutput("json_schema", json.dumps(schema)))
+    prompts = [byte_prompt(24, offset=9 * i) for i in range(3)]
+
+    async def generate(oracle: list[list[int]] | None) -> tuple[list[list[TokenEvent]], Engine]:
+        engine = make_engine(tiny_model, num_blocks=128, block_size=8,
+                             config=SchedulerConfig(speculation=None if oracle is None else NGRAM))
+        requests = [make_request(p, 120, sampling=sampling, stop_token_ids=ByteTokenizer().eos_token_ids)
+                    for p in prompts]
+        if oracle is not None:
+            engine.scheduler.speculator = Oracle(NGRAM, requests, [GreedyCase(p, 120, o)
+                                                                   for p, o in zip(prompts, oracle, strict=True)])
+        return await run_all(engine, requests), engine
+
+    plain, _ = await generate(None)
+    answers = [tokens_of(events) for events in plain]
+    speculating, engine = await generate(answers)
+    assert [tokens_of(events) for events in speculating] == answers
+    for events in speculating:
+        json.loads(ByteTokenizer().decode(tokens_of(events)[:-1]))
+    assert accepted_tokens(engine) > 10
+
+
+async def test_proposals_verified_on_lora_adapters_give_what_peft_gives(tmp_path: Path) -> None:
+    """Two requests on two adapters in one batch, their proposals verified on their own adapter's rows."""
+    peft_a, peft_b = save_adapter(tmp_path / "a", seed=1, rank=4), save_adapter(tmp_path / "b", seed=2, rank=8)
+    loaded = load_model("builtin:tiny", device="cpu", dtype="float32")  # its own: the runner wraps its layers
+    bytes_per_block = kv_shape_of(loaded, 16).bytes_per_block
+    budget = RunnerBudget(block_size=16, kv_cache_bytes=64 * bytes_per_block, swap_space_bytes=0)
+    runner = ModelRunner(loaded, budget, lora=LoraServing(max_loras=2, max_rank=8, max_cpu_loras=2))
+    engine = Engine(Scheduler(SchedulerConfig(max_loras=2, speculation=NGRAM), runner.geometry), runner)
+    cases = []
+    requests = []
+    for name, peft_model, offset in (("a", peft_a, 0), ("b", peft_b, 40)):
+        prompt = byte_prompt(20, offset=offset)
+        cases.append(GreedyCase(prompt, 40, reference(peft_model, prompt, 40)))
+        request = make_request(prompt, 40)
+        request.adapter = LoraRef(name, str(tmp_path / name), 1)
+        requests.append(request)
+    engine.scheduler.speculator = Oracle(NGRAM, requests, cases)
+    results = await run_all(engine, requests)
+    assert_greedy(cases, results)
+    assert accepted_tokens(engine) > 10

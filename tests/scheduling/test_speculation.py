@@ -70,8 +70,14 @@ def test_prompt_lookup_proposes_what_followed_the_latest_longest_match() -> None
     # [1, 2, 3] occurred once before, at the start: what followed it, not what followed the later [2, 3]
     assert proposer.propose("r", tokens, 3) == ([9, 9, 2], 3)
     assert proposer.propose("r", [*tokens, 4], 3) == ([], 0)  # nothing ever followed by 4
-    tokens += [4, 6, 2, 3]  # the index catches up: now [2, 3] last ended before 7... and before 4
+    tokens += [4, 6, 2, 3]  # the index catches up: now [2, 3] last ended before 4
     assert proposer.propose("r", tokens, 2) == ([4, 6], 2)
+
+
+def test_a_match_near_the_end_proposes_the_loop_it_would_copy() -> None:
+    proposer = NgramProposer(SpeculationConfig("ngram", prompt_lookup_min=1, prompt_lookup_max=3))
+    assert proposer.propose("r", [5, 9, 7, 7, 7], 4) == ([7, 7, 7, 7], 2)  # period 1
+    assert proposer.propose("s", [5, 1, 2, 3, 1, 2, 3, 1], 5) == ([2, 3, 1, 2, 3], 3)  # period 3
 
 
 def test_suffix_proposes_from_the_tenants_recent_outputs_and_never_another_tenants() -> None:

@@ -15,11 +15,11 @@ from tests.app.conftest import ServerThread, instant_context
 MAX_TOKENS = 300  # the instant script repeats every ~80 bytes: prompt lookup proposes the rest of it
 
 
-def stream_text(server: ServerThread, **extra: object) -> tuple[str, int]:
+def stream_text(server: ServerThread) -> tuple[str, int]:
     with openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0) as client:
         chunks = list(client.chat.completions.create(
             model=server.model_name, messages=[{"role": "user", "content": "Say it again."}], max_tokens=MAX_TOKENS,
-            stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True}, **extra))
+            stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
     usage = chunks[-1].usage
     assert usage is not None
     return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices), usage.completion_tokens

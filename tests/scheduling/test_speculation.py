@@ -9,7 +9,7 @@ import itertools
 
 import pytest
 
-from benchmarks.fake_executors import FakeExecutor
+from benchmarks.fake_executors import FakeExecutor, LinearStepCost
 from scheduling.request import PriorityClass, Request, RequestId, TokenEvent
 from scheduling.scheduler import Scheduler, SchedulerConfig
 from scheduling.speculation import (
@@ -214,3 +214,55 @@ def test_no_proposal_once_the_step_is_compute_bound() -> None:
     predicted = compute_bound.fixed_s + 32 * 0.01
     assert best_draft_count(4, 0.8, 100, 32, 32.0, predicted, compute_bound, lambda n: 0.0) == (0, 0.0)
     assert expected_accepted(0.5, 3) == pytest.approx(0.875)
+
+
+def speculated_share(costs: LinearStepCost, num_requests: int) -> float:
+    """Copying requests decoding together, the cost model calibrated on `costs` and fed each step's time: the
+    share of their decodes that verified proposals."""
+    scheduler = make_scheduler(SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=512, speculation=NGRAM,
+                                               shaping=ShapingConfig(enabled=False)), num_device_blocks=2048)
+    for plan in scheduler.calibration_steps():
+        scheduler.observe_calibration(plan, costs.seconds(plan))
+    requests = [copy_request(16, 48) for _ in range(num_requests)]
+    executor = CopyingExecutor(scheduler, {r.request_id: list(r.prompt_token_ids) for r in requests})
+    for request in requests:
+        scheduler.add_request(request)
+    decodes = verifying = 0
+    while scheduler.has_work():
+        plan, _ = run_step(scheduler, executor)
+        scheduler.observe_step_time(plan, costs.seconds(plan))
+        steps = [seq for seq in plan.sequences if seq.needs_sample and seq.start_position >= 16]
+        decodes += len(steps)
+        verifying += sum(1 for seq in steps if seq.num_draft_tokens)
+    return verifying / decodes
+
+
+def test_proposals_are_verified_where_rows_are_cheap_and_not_once_the_step_is_compute_bound() -> None:
+    """A step that costs its fixed part (weight reads) takes proposals; a step that costs its tokens alone
+    (compute-bound) gains nothing from them, however well they are accepted, and the scheduler makes none."""
+    assert speculated_share(LinearStepCost(overhead_s=0.020, per_token_s=0.0005), 1) > 0.8
+    assert speculated_share(LinearStepCost(overhead_s=0.020, per_token_s=0.0005), 8) > 0.8
+    assert speculated_share(LinearStepCost(overhead_s=0.0, per_token_s=0.004), 8) == 0.0
+
+
+def test_interactive_decodes_take_the_budget_for_proposals_before_batch_ones() -> None:
+    """A token budget with room for one decode's proposals: the interactive request's get it."""
+    config = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=2 + NGRAM.num_speculative_tokens, speculation=NGRAM,
+                             shaping=ShapingConfig(enabled=False))
+    scheduler = make_scheduler(config, num_device_blocks=256)
+    batch = copy_request(16, 60, priority=PriorityClass.BATCH)
+    interactive = copy_request(16, 60)
+    executor = CopyingExecutor(scheduler, {r.request_id: list(r.prompt_token_ids) for r in (batch, interactive)})
+    scheduler.add_request(batch)
+    scheduler.add_request(interactive)
+    drafts = {batch.request_id: 0, interactive.request_id: 0}
+    both_decoding = 0
+    for _ in range(30):  # both prefill in chunks, then decode
+        plan, _ = run_step(scheduler, executor)
+        if sum(1 for seq in plan.sequences if seq.start_position >= 16) == 2:
+            both_decoding += 1
+            for seq in plan.sequences:
+                drafts[seq.request_id] += seq.num_draft_tokens  # type: ignore[index]
+    assert both_decoding >= 10
+    assert drafts[interactive.request_id] > 20
+    assert drafts[batch.request_id] == 0

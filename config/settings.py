@@ -29,23 +29,19 @@ class SpeculativeConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     # ngram: prompt lookup over the request's own tokens; suffix: the same, then over its tenant's recent
-    # outputs. draft_model is refused: this machine has no smaller model with the default model's tokenizer.
-    method: Literal["ngram", "suffix"]
+    # outputs; draft_model: `model` (any model spec fairlane loads, with the served model's tokenizer) proposes.
+    method: Literal["ngram", "suffix", "draft_model"]
     num_speculative_tokens: int = Field(default=4, ge=1, le=16)
     prompt_lookup_min: int = Field(default=2, ge=1)
     prompt_lookup_max: int = Field(default=5, ge=1)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _refuse_draft_model(cls, data: Any) -> Any:
-        if isinstance(data, dict) and (data.get("method") == "draft_model" or "model" in data):
-            raise ValueError("method draft_model is not supported: use ngram or suffix")
-        return data
+    model: str | None = Field(default=None, min_length=1)
 
     @model_validator(mode="after")
-    def _check_lookup(self) -> SpeculativeConfig:
+    def _check_keys(self) -> SpeculativeConfig:
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError("prompt_lookup_min must be <= prompt_lookup_max")
+        if (self.method == "draft_model") != (self.model is not None):
+            raise ValueError("model is the draft model's spec: method draft_model needs it, and only it takes it")
         return self
 
 

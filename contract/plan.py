@@ -103,6 +103,10 @@ class ScheduledSequence:
     # request's. The runner verifies them in this forward (a logits row per fed token from the first
     # proposal's position on) and answers with the tokens it accepted and one more (StepResult.verified).
     num_draft_tokens: int = 0
+    # With a draft model (gpu/draft.py): after sampling this sequence the runner proposes up to this many
+    # tokens for the request's next step (StepResult.proposals); the sequence then carries the request's
+    # prompt and output so far (prompt_token_ids, output_token_ids), which the draft reads what it lacks of.
+    num_proposals_wanted: int = 0
 
 
 @dataclass(slots=True)
@@ -166,6 +170,7 @@ class StepResult:
     # their log probabilities when the request asked for them.
     verified: dict[str, tuple[int, ...]] = field(default_factory=dict)
     verified_logprobs: dict[str, tuple[TokenLogprobs, ...]] = field(default_factory=dict)
+    proposals: dict[str, tuple[int, ...]] = field(default_factory=dict)  # the draft model's, for the next step
     # request id -> (the prompt position of the first entry's token, one entry per prompt token the
     # step's chunk predicts), for requests with prompt_logprobs
     prompt_logprobs: dict[str, tuple[int, tuple[TokenLogprobs, ...]]] = field(default_factory=dict)

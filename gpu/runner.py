@@ -25,6 +25,7 @@ from gpu.compiled import (
     use_artifact_folder,
     warm_up,
 )
+from gpu.draft import DraftProposer
 from gpu.kv_cache import KVShape, PagedKVCache
 from gpu.kv_disk import DiskBlockStore
 from gpu.lora import LoraRows, LoraRuntime, LoraServing
@@ -76,6 +77,11 @@ def kv_pool_bytes(budget: RunnerBudget, bytes_per_block: int, max_model_len: int
     return min(share, budget.max_num_seqs * blocks_per_sequence * bytes_per_block)
 
 
+def emitted(seq: ScheduledSequence, result: StepResult) -> tuple[int, ...]:
+    """The tokens a sampled sequence added to its request this step."""
+    return result.verified.get(seq.request_id) or (result.sampled_token_ids[seq.request_id],)
+
+
 def kv_shape_of(loaded: LoadedModel, block_size: int, kv_dtype: torch.dtype | None = None) -> KVShape:
     config = text_config_of(loaded.model.config)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -87,7 +93,7 @@ class ModelRunner:
     """Owns the model, the KV pools and the sampler. Called from one worker thread only."""
 
     def __init__(self, loaded: LoadedModel, budget: RunnerBudget, compilation: CompileConfig | None = None,
-                 lora: LoraServing | None = None) -> None:
+                 lora: LoraServing | None = None, draft: LoadedModel | None = None) -> None:
         self.loaded = loaded
         self.model = loaded.model
         self.model.set_attn_implementation(ATTENTION_NAME)
@@ -108,6 +114,9 @@ class ModelRunner:
                     self.cache.num_device_blocks, budget.block_size, self.cache.num_device_blocks * budget.block_size,
                     self.cache.num_device_blocks * shape.bytes_per_block / 2**20, shape.dtype)
         self.sampler = Sampler(self.device, budget.seed)
+        # A draft model proposes for speculative decoding over a pool of as many blocks (gpu/draft.py).
+        self.draft = None if draft is None else DraftProposer(draft, kv_shape_of(draft, budget.block_size),
+                                                              self.cache.num_device_blocks)
         self.grammars = GrammarCache(loaded.tokenizer, int(self.model.config.vocab_size))
         self.matchers = GrammarMatchers(self.grammars)
         disk = self.disk
@@ -252,6 +261,8 @@ class ModelRunner:
                             forward_changed=forward_changed)
         self.sampler.forget(plan.finished_request_ids)
         self.matchers.forget(plan.finished_request_ids)
+        if self.draft is not None:
+            self.draft.forget(plan.finished_request_ids)
         if self.lora is not None:
             result.failed_lora_loads = self.lora.load(plan.lora_loads)
         if not plan.sequences:
@@ -278,6 +289,10 @@ class ModelRunner:
             tokens, result.logprobs = self.sampler.sample_step(logits, sampling, masks)
             self.matchers.advance(sampling, tokens)
             result.sampled_token_ids = {s.request_id: t for s, t in zip(sampling, tokens, strict=True)}
+        if self.draft is not None:
+            result.proposals = self.draft.propose(
+                [(seq.request_id, [*seq.prompt_token_ids, *seq.output_token_ids, *emitted(seq, result)],
+                  seq.num_proposals_wanted) for seq in sampling if seq.num_proposals_wanted])
         return result
 
     @staticmethod

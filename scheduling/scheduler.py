@@ -269,6 +269,19 @@ class Scheduler:
             if predicted_s is not None:
                 predicted_s += added_s
             expected_tokens += expected_accepted(rate, k)
+        if speculator.drafts_with_model:
+            self._ask_for_proposals(plan, speculator)
+
+    def _ask_for_proposals(self, plan: StepPlan, speculator: Speculator) -> None:
+        """With a draft model: each sampled sequence that may speculate asks the runner for proposals for its
+        next step, carrying its request's tokens (gpu/draft.py reads what it lacks of them)."""
+        for seq in plan.sequences:
+            request = self.requests.get(seq.request_id)  # type: ignore[call-overload]  # a str that is a RequestId
+            if (seq.needs_sample and request is not None and may_speculate(request.sampling)
+                    and speculator.wants_proposals(request.request_id)):
+                seq.num_proposals_wanted = speculator.config.num_speculative_tokens
+                seq.prompt_token_ids = tuple(request.prompt_token_ids)
+                seq.output_token_ids = tuple(request.output_token_ids)
 
     def _room_for_drafts(self, request: Request, k: int) -> int:
         """k, or as many proposals as the request's blocks hold when no fresh block is free for them."""
@@ -642,7 +655,16 @@ class Scheduler:
                 tuple(request.prompt_logprobs) if num_output == 1 else ())))  # the prompt's go with the first token
         for priority, sampled_by_tenant in sampled_by_class.items():
             self.vtc[priority].charge_sampled(sampled_by_tenant)
+        if result.proposals:
+            self._keep_proposals(result.proposals)
         return events
+
+    def _keep_proposals(self, proposals: Mapping[str, tuple[int, ...]]) -> None:
+        assert self.speculator is not None
+        for request_id, tokens in proposals.items():
+            request = self.requests.get(request_id)  # type: ignore[call-overload]  # a str that is a RequestId
+            if request is not None and request.status is RequestStatus.RUNNING:
+                self.speculator.keep_model_proposals(request_id, len(request.token_ids), tokens)
 
     def _take_verified(self, request: Request, seq: ScheduledSequence, result: StepResult,
                        sampled_by_tenant: dict[str, int]) -> TokenEvent:

@@ -12,6 +12,8 @@ more come back. Proposals cost no second model here:
   answers and agents re-emitting tool arguments copy long spans of their context.
 - `suffix`: the same over the request's own tokens first, then over its tenant's recent outputs (agents
   repeat themselves across requests). A tenant's outputs never propose for another tenant.
+- `draft_model`: a smaller model with the same tokenizer, run by the runner after each step (gpu/draft.py),
+  proposes for the next one; the scheduler keeps what it proposed for the request's current length.
 
 How many tokens a decode verifies is decided per step from the step cost model (scheduling/step_cost.py)
 and each request's measured acceptance: with acceptance rate a, k proposals are expected to add
@@ -30,7 +32,7 @@ from typing import Literal
 from contract.plan import SamplingParams
 from scheduling.step_cost import CostCoefficients, sequence_attention
 
-SpeculationMethod = Literal["ngram", "suffix"]
+SpeculationMethod = Literal["ngram", "suffix", "draft_model"]
 PRIOR_ACCEPTANCE = 0.5  # a request's acceptance rate before any of its proposals were verified
 ACCEPTANCE_MEMORY = 0.3  # the weight of the latest step in a request's acceptance rate (a moving average)
 UNPROFITABLE_RATE = 0.05  # below this acceptance rate a request stops proposing for a while
@@ -45,6 +47,7 @@ class SpeculationConfig:
     prompt_lookup_max: int = 5
     # suffix: how many recent output tokens of each tenant propose for its other requests
     tenant_history_tokens: int = 16_384
+    draft_model: str | None = None  # draft_model: the model spec (loaded by the runner; named here for the record)
 
 
 class NgramIndex:
@@ -169,10 +172,24 @@ class Speculator:
         self.histories: dict[str, TenantHistory] = {}
         self.counters = SpeculationCounters(accepted_per_position=[0] * config.num_speculative_tokens)
         self._acceptance: dict[str, _Acceptance] = {}
+        self._model_proposals: dict[str, tuple[int, list[int]]] = {}  # draft_model: (for how many tokens, tokens)
 
     def acceptance_rate(self, request_id: str) -> float:
         state = self._acceptance.get(request_id)
         return PRIOR_ACCEPTANCE if state is None else state.rate
+
+    @property
+    def drafts_with_model(self) -> bool:
+        return self.config.method == "draft_model"
+
+    def wants_proposals(self, request_id: str) -> bool:
+        """Whether the draft model should propose for the request (not while its proposals pause)."""
+        state = self._acceptance.get(request_id)
+        return state is None or not state.paused_for
+
+    def keep_model_proposals(self, request_id: str, num_tokens: int, proposals: Sequence[int]) -> None:
+        """The draft model's proposals to follow a request of num_tokens tokens."""
+        self._model_proposals[request_id] = (num_tokens, list(proposals))
 
     def propose(self, request_id: str, tenant_id: str, tokens: Sequence[int], k: int) -> list[int]:
         """Up to k proposed tokens to follow `tokens` (a running request's prompt and output so far)."""
@@ -180,6 +197,9 @@ class Speculator:
         if state is not None and state.paused_for:
             state.paused_for -= 1
             return []
+        if self.drafts_with_model:
+            num_tokens, proposals = self._model_proposals.pop(request_id, (-1, []))
+            return proposals[:k] if num_tokens == len(tokens) else []
         drafts, n = self.ngrams.propose(request_id, tokens, k)
         if self.config.method == "suffix":
             history = self.histories.get(tenant_id)
@@ -208,6 +228,7 @@ class Speculator:
 
     def finished(self, request_id: str, tenant_id: str, output: Sequence[int]) -> None:
         self.ngrams.forget(request_id)
+        self._model_proposals.pop(request_id, None)
         self._acceptance.pop(request_id, None)
         if self.config.method == "suffix":
             history = self.histories.get(tenant_id)

@@ -41,7 +41,8 @@ def build_runner(settings: Settings, loaded: LoadedModel, *, compile_in_backgrou
                           disk_cache_path=settings.kv_disk_cache_path, disk_cache_bytes=settings.kv_disk_cache_bytes,
                           kv_cache_dtype=kv_cache_dtype_of(settings, loaded))
     child = compile_child_command(settings) if compile_in_background and settings.compile_mode != "eager" else None
-    return ModelRunner(loaded, budget, compile_config_of(settings, child_command=child), lora_serving_of(settings))
+    return ModelRunner(loaded, budget, compile_config_of(settings, child_command=child), lora_serving_of(settings),
+                       load_draft_for(settings, loaded))
 
 
 def kv_cache_dtype_of(settings: Settings, loaded: LoadedModel) -> torch.dtype:
@@ -99,7 +100,24 @@ def speculation_config_of(settings: Settings) -> SpeculationConfig | None:
     spec = settings.speculative_config
     if spec is None:
         return None
-    return SpeculationConfig(spec.method, spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
+    return SpeculationConfig(spec.method, spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max,
+                             draft_model=spec.model)
+
+
+def load_draft_for(settings: Settings, loaded: LoadedModel) -> LoadedModel | None:
+    """The draft model of speculative decoding, on the served model's device and in its dtype; SettingsError
+    when its tokenizer is not the served model's (its proposals would be other tokens' ids)."""
+    spec = settings.speculative_config
+    if spec is None or spec.model is None:
+        return None
+    dtype = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[loaded.dtype]
+    draft = load_model(spec.model, device=loaded.device.type, dtype=dtype, seed=settings.seed,
+                       cache_dir=settings.model_cache_dir)
+    probe = "Hello, world! 12345 ünïcode\n\tend"
+    if (int(draft.model.config.vocab_size) != int(loaded.model.config.vocab_size)
+            or draft.tokenizer.encode(probe) != loaded.tokenizer.encode(probe)):
+        raise SettingsError(f"the draft model {spec.model} does not share {settings.model}'s tokenizer")
+    return draft
 
 
 def shaping_config_of(settings: Settings) -> ShapingConfig:

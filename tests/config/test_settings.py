@@ -115,7 +115,8 @@ def test_speculative_config_takes_vllms_json_and_none_turns_it_off(tmp_path: Pat
 
 
 @pytest.mark.parametrize(("value", "message"), [
-    ('{"method": "draft_model", "model": "x"}', "draft_model is not supported"),
+    ('{"method": "draft_model"}', "needs it"),
+    ('{"method": "ngram", "model": "builtin:tiny"}', "only it takes it"),
     ('{"method": "eagle3"}', "method"),
     ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens"),
     ('{"method": "ngram", "prompt_lookup_min": 4, "prompt_lookup_max": 2}', "prompt_lookup_min"),

@@ -16,6 +16,8 @@ from typing import Any
 import pytest
 import torch
 
+from app.process.engine_factory import load_draft_for
+from config.settings import SettingsError, load_settings
 from contract.plan import LoraRef, SamplingParams, ScheduledSequence, StructuredOutput
 from gpu.lora import LoraServing
 from gpu.models import LoadedModel, load_model
@@ -37,6 +39,7 @@ from tests.factories import (
     plans_of,
     running,
     tokens_of,
+    wait_until,
 )
 from tests.gpu.reference import GreedyCase, byte_prompt, hf_greedy
 from tests.gpu.test_lora import save_adapter
@@ -281,3 +284,55 @@ async def test_proposals_verified_on_lora_adapters_give_what_peft_gives(tmp_path
     results = await run_all(engine, requests)
     assert_greedy(cases, results)
     assert accepted_tokens(engine) > 10
+
+
+def draft_engine(target: LoadedModel, draft_spec: str, num_blocks: int = 256, num_cpu_blocks: int = 0,
+                 **config: Any) -> Engine:
+    """An engine whose runner proposes with a draft model (gpu/draft.py), loaded apart from the target."""
+    draft = load_model(draft_spec, device="cpu", dtype="float32")
+    bytes_per_block = kv_shape_of(target, 8).bytes_per_block
+    budget = RunnerBudget(block_size=8, kv_cache_bytes=num_blocks * bytes_per_block,
+                          swap_space_bytes=num_cpu_blocks * bytes_per_block)
+    runner = ModelRunner(target, budget, draft=draft)
+    speculation = SpeculationConfig("draft_model", num_speculative_tokens=4, draft_model=draft_spec)
+    return Engine(Scheduler(SchedulerConfig(speculation=speculation, **config), runner.geometry), runner)
+
+
+@pytest.mark.parametrize(("draft", "mode", "num_blocks"), [("builtin:tiny", "swap", 256), ("builtin:tiny", "swap", 34),
+                                                            ("builtin:tiny", "recompute", 34),
+                                                            ("builtin:small", "swap", 256)],
+                         ids=["itself", "itself-swap", "itself-recompute", "another"])
+async def test_a_draft_model_proposes_and_greedy_output_is_hfs(tiny_greedy_cases: list[GreedyCase], draft: str,
+                                                               mode: str, num_blocks: int) -> None:
+    """builtin:tiny drafting for itself proposes what the target picks (nearly all accepted); through preemption
+    by swap and recompute (34 blocks) it reads again what it lacks; builtin:small, another model with the same
+    tokenizer, proposes other tokens: the output is Hugging Face's in every case."""
+    target = load_model("builtin:tiny", device="cpu", dtype="float32")
+    engine = draft_engine(target, draft, num_blocks=num_blocks, num_cpu_blocks=64, preemption_mode=mode)
+    requests = [make_request(case.prompt, case.max_tokens) for case in tiny_greedy_cases]
+    runner = engine.executor
+    assert isinstance(runner, ModelRunner) and runner.draft is not None
+    proposer = runner.draft
+    async with running(engine):
+        results = list(await asyncio.gather(*(collect(engine.submit(request)) for request in requests)))
+        # the runner hears of the last finished requests with the plan after them
+        await wait_until(lambda: not proposer.request_ids, what="every request's draft blocks to come back")
+        assert_kv_all_free(engine)
+    assert_greedy(tiny_greedy_cases, results)
+    stats = engine.stats()["speculation"]
+    if draft == "builtin:tiny":
+        assert stats["num_accepted_tokens"] >= 0.9 * stats["num_draft_tokens"] > 40
+    else:
+        assert stats["num_draft_tokens"] > 0
+    if num_blocks == 34:
+        assert engine.stats()["preemptions"][mode] > 0
+    assert proposer.num_free_blocks == proposer.cache.num_device_blocks
+
+
+def test_a_draft_model_with_another_tokenizer_is_refused() -> None:
+    settings = load_settings(environ={}, overrides={
+        "model": "builtin:tiny", "compile_mode": "eager",
+        "speculative_config": '{"method": "draft_model", "model": "smollm2-135m"}'})
+    target = load_model("builtin:tiny", device="cpu", dtype="float32")
+    with pytest.raises(SettingsError, match="does not share"):
+        load_draft_for(settings, target)

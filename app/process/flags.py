@@ -49,8 +49,8 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-lora-rank", type=int, help="the largest adapter rank served (default 16)")
     parser.add_argument("--speculative-config", dest="speculative_config", metavar="JSON",
                         help='speculative decoding as vLLM takes it, e.g. \'{"method": "suffix", '
-                             '"num_speculative_tokens": 4}\' (methods: ngram, suffix, draft_model with "model"); "none" turns it off '
-                             '(default: ngram, 8 tokens)')
+                             '"num_speculative_tokens": 4}\' (methods: ngram, suffix, draft_model with "model"); '
+                             '"none" turns it off (default: ngram, 8 tokens)')
     parser.add_argument("--lora-modules", nargs="+", action="extend", metavar="NAME=PATH",
                         help="an adapter served from start-up to every tenant; repeatable")
 

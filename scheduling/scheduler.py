@@ -235,8 +235,7 @@ class Scheduler:
         prompt's tokens or blocks. Each decode verifies the number of its proposals that makes the step's
         expected tokens per second highest (scheduling/speculation.py), interactive ones first."""
         plan, cost_model = step.plan, self.shaper.cost_model
-        coefficients = cost_model.coefficients
-        predicted_s = cost_model.predict(work_of(plan, swaps=False)) if coefficients is not None else None
+        predicted_s = cost_model.predict(work_of(plan, swaps=False)) if cost_model.coefficients is not None else None
         expected_tokens = float(sum(1 for seq in plan.sequences if seq.needs_sample))
         for seq in [s for s in plan.sequences if len(s.token_ids) == 1 and s.needs_sample]:
             request = self.requests.get(seq.request_id)  # type: ignore[call-overload]  # a str that is a RequestId
@@ -245,15 +244,15 @@ class Scheduler:
                       self.geometry.max_model_len - len(request.token_ids) - 1) if request is not None else 0
             if cap <= 0 or not may_speculate(request.sampling):
                 continue
-            drafts = speculator.propose(request.request_id, request.tenant_id, request.token_ids, cap)
+            rate = speculator.acceptance_rate(request.request_id)
+            k, added_s = self._draft_count(cap, rate, seq, step, expected_tokens, predicted_s)
+            if k <= 0:  # not even the most proposals would pay (a compute-bound step): none is looked for
+                continue
+            drafts = speculator.propose(request.request_id, request.tenant_id, request.token_ids, k)
             if not drafts:
                 continue
-            rate = speculator.acceptance_rate(request.request_id)
-            if coefficients is None or predicted_s is None:  # nothing measured yet: verify them all
-                k, added_s = len(drafts), 0.0
-            else:
-                k, added_s = best_draft_count(len(drafts), rate, seq.start_position, step.num_tokens, expected_tokens,
-                                              predicted_s, coefficients, cost_model.residual)
+            if len(drafts) < k:
+                k, added_s = self._draft_count(len(drafts), rate, seq, step, expected_tokens, predicted_s)
             if step.shaped_time_left_s is not None:
                 k = k if added_s <= step.shaped_time_left_s else 0
             k = self._room_for_drafts(request, k)
@@ -282,6 +281,16 @@ class Scheduler:
                 seq.num_proposals_wanted = speculator.config.num_speculative_tokens
                 seq.prompt_token_ids = tuple(request.prompt_token_ids)
                 seq.output_token_ids = tuple(request.output_token_ids)
+
+    def _draft_count(self, num_drafts: int, rate: float, seq: ScheduledSequence, step: StepBuilder,
+                     expected_tokens: float, predicted_s: float | None) -> tuple[int, float]:
+        """How many of num_drafts proposals pay, and the time they add (see best_draft_count); all of them
+        while nothing is measured."""
+        cost_model = self.shaper.cost_model
+        if cost_model.coefficients is None or predicted_s is None:
+            return num_drafts, 0.0
+        return best_draft_count(num_drafts, rate, seq.start_position, step.num_tokens, expected_tokens, predicted_s,
+                                cost_model.coefficients, cost_model.residual)
 
     def _room_for_drafts(self, request: Request, k: int) -> int:
         """k, or as many proposals as the request's blocks hold when no fresh block is free for them."""

@@ -3,7 +3,7 @@ what was accepted.
 
 A running request's decode may carry proposed tokens: the runner feeds them as extra query rows of the
 same sequence and verifies them in the step's one forward (gpu/verification.py); the accepted ones and one
-more come back. Proposals cost no second model here:
+more come back. The proposers:
 
 - `ngram` (prompt lookup, as vLLM's and llama.cpp's): the longest of the request's last n tokens
   (prompt_lookup_max down to prompt_lookup_min) that occurred before in its prompt or output proposes the
@@ -47,7 +47,6 @@ class SpeculationConfig:
     prompt_lookup_max: int = 5
     # suffix: how many recent output tokens of each tenant propose for its other requests
     tenant_history_tokens: int = 16_384
-    draft_model: str | None = None  # draft_model: the model spec (loaded by the runner; named here for the record)
 
 
 class NgramIndex:

@@ -100,8 +100,7 @@ def speculation_config_of(settings: Settings) -> SpeculationConfig | None:
     spec = settings.speculative_config
     if spec is None:
         return None
-    return SpeculationConfig(spec.method, spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max,
-                             draft_model=spec.model)
+    return SpeculationConfig(spec.method, spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
 
 
 def load_draft_for(settings: Settings, loaded: LoadedModel) -> LoadedModel | None:

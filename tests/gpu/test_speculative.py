@@ -294,7 +294,7 @@ def draft_engine(target: LoadedModel, draft_spec: str, num_blocks: int = 256, nu
     budget = RunnerBudget(block_size=8, kv_cache_bytes=num_blocks * bytes_per_block,
                           swap_space_bytes=num_cpu_blocks * bytes_per_block)
     runner = ModelRunner(target, budget, draft=draft)
-    speculation = SpeculationConfig("draft_model", num_speculative_tokens=4, draft_model=draft_spec)
+    speculation = SpeculationConfig("draft_model", num_speculative_tokens=4)
     return Engine(Scheduler(SchedulerConfig(speculation=speculation, **config), runner.geometry), runner)
 
 

@@ -261,12 +261,16 @@ def best_draft_count(num_drafts: int, rate: float, start_position: int, step_tok
     if predicted_s <= 0.0:
         return num_drafts, 0.0
     best_k, best_added_s, best_rate = 0, 0.0, expected_tokens / predicted_s
+    per_draft_s = coefficients.per_token_s + coefficients.per_sequence_s  # as one more decode
+    base_attention, base_residual = sequence_attention(1, start_position), residual(step_tokens)
+    accepted, odds = 0.0, 1.0
     for k in range(1, num_drafts + 1):
-        added_s = max(0.0, (coefficients.per_token_s + coefficients.per_sequence_s) * k  # as k more decodes
-                      + coefficients.per_attention_s * (sequence_attention(1 + k, start_position)
-                                                        - sequence_attention(1, start_position))
-                      + residual(step_tokens + k) - residual(step_tokens))
-        tokens_per_s = (expected_tokens + expected_accepted(rate, k)) / (predicted_s + added_s)
+        odds *= rate
+        accepted += odds  # expected_accepted(rate, k), built up
+        added_s = max(0.0, per_draft_s * k
+                      + coefficients.per_attention_s * (sequence_attention(1 + k, start_position) - base_attention)
+                      + residual(step_tokens + k) - base_residual)
+        tokens_per_s = (expected_tokens + accepted) / (predicted_s + added_s)
         if tokens_per_s > best_rate:
             best_k, best_added_s, best_rate = k, added_s, tokens_per_s
     return best_k, best_added_s

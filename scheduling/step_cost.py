@@ -22,7 +22,7 @@ step, on the steps that followed them.
 
 from __future__ import annotations
 
-import itertools
+from bisect import bisect_left
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -96,6 +96,9 @@ class StepCostModel:
         # line; the line plus its bucket's residual follows it. A bucket never seen takes its neighbours'.
         self._missed: dict[int, deque[tuple[int, float]]] = {}  # (tokens, missed by) per bucket
         self._residuals: dict[int, tuple[float, float]] = {}  # per bucket: (its steps' mean tokens, median missed)
+        # Their values sorted by token count, kept with them: a step asks for residuals once per decode and
+        # proposal count when it weighs speculation (scheduling/speculation.py).
+        self._residual_points: list[tuple[float, float]] = []
         self.lone_decode_s: float | None = None  # the measured time of a step of one decode (a moving average)
         self.last_predicted_s: float | None = None
         self.last_measured_s: float | None = None
@@ -111,7 +114,7 @@ class StepCostModel:
     def residual(self, num_tokens: int) -> float:
         """What the line misses by for a step of num_tokens tokens, lately: interpolated in the token
         count between the buckets seen on each side (the nearest one's beyond the ends; 0 with none)."""
-        return _interpolated(self._residuals, num_tokens)
+        return _interpolated(self._residual_points, num_tokens)
 
     def forget(self) -> None:
         """Drop every step seen: they were run by another forward (the eager one, before the compiled one
@@ -121,6 +124,7 @@ class StepCostModel:
         self._anchors.clear()
         self._missed.clear()
         self._residuals.clear()
+        self._residual_points = []
         self._errors.clear()
         self._since_fit = 0
         self.coefficients = self.median_error = self.lone_decode_s = None
@@ -167,6 +171,7 @@ class StepCostModel:
         missed = self._missed.setdefault(bucket, deque(maxlen=RESIDUALS_KEPT))
         missed.append((work.tokens, missed_s))
         self._residuals[bucket] = (sum(t for t, _ in missed) / len(missed), median(m for _, m in missed))
+        self._residual_points = sorted(self._residuals.values())
 
     def _note_lone_decode(self, work: StepWork, measured_s: float) -> None:
         """A lone decode's time is measured, not predicted: steps are not linear in their tokens on every
@@ -189,17 +194,18 @@ def _bucket(num_tokens: int) -> int:
     return EXACT_BUCKETS + (num_tokens - 1).bit_length()
 
 
-def _interpolated(residuals: dict[int, tuple[float, float]], num_tokens: int) -> float:
-    if not residuals:
+def _interpolated(points: list[tuple[float, float]], num_tokens: int) -> float:
+    """points: (token count, residual) sorted by token count."""
+    if not points:
         return 0.0
-    points = sorted(residuals.values())
     if num_tokens <= points[0][0]:
         return points[0][1]
-    for (low_tokens, low), (high_tokens, high) in itertools.pairwise(points):
-        if num_tokens <= high_tokens:
-            share = (num_tokens - low_tokens) / (high_tokens - low_tokens) if high_tokens > low_tokens else 1.0
-            return low + share * (high - low)
-    return points[-1][1]
+    high_index = bisect_left(points, (num_tokens,))  # the first point at or past num_tokens
+    if high_index == len(points):
+        return points[-1][1]
+    (low_tokens, low), (high_tokens, high) = points[high_index - 1], points[high_index]
+    share = (num_tokens - low_tokens) / (high_tokens - low_tokens) if high_tokens > low_tokens else 1.0
+    return low + share * (high - low)
 
 
 def fit(samples: Sequence[tuple[tuple[float, ...], float]], rounds: int = 3) -> CostCoefficients:

@@ -13,6 +13,7 @@ Each satisfies `scheduling.executor.Executor`:
 from __future__ import annotations
 
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -59,6 +60,18 @@ class LinearStepCost:
 
     def seconds(self, plan: StepPlan) -> float:
         return self.overhead_s + self.per_token_s * plan.num_tokens if plan.sequences else 0.0
+
+
+def verify_greedily(seq: ScheduledSequence, token_at: Callable[[int], int]) -> tuple[int, ...]:
+    """What greedy verification emits for a sequence with proposals when the executor would sample
+    token_at(i) as the i-th token after the fed one (asked in order): the proposals while they are those
+    tokens, then the first that differs or the one after them all. The output never depends on speculation."""
+    emitted: list[int] = []
+    for offset, draft in enumerate(seq.token_ids[len(seq.token_ids) - seq.num_draft_tokens:]):
+        emitted.append(token_at(offset))
+        if emitted[-1] != draft:
+            return tuple(emitted)
+    return (*emitted, token_at(seq.num_draft_tokens))
 
 
 # ---- the deterministic executor ------------------------------------------------------------------
@@ -119,15 +132,8 @@ class FakeExecutor:
         return StepResult(sampled_token_ids=sampled, verified=verified, forward_seconds=cost)
 
     def _verify(self, seq: ScheduledSequence) -> tuple[int, ...]:
-        """Proposed tokens are accepted while they are the tokens this executor would have sampled, as
-        greedy verification does: the output never depends on speculation."""
         first = seq.start_position + len(seq.token_ids) - seq.num_draft_tokens  # the first proposal's position
-        emitted = []
-        for offset, draft in enumerate(seq.token_ids[len(seq.token_ids) - seq.num_draft_tokens:]):
-            emitted.append(self.token_for(seq.request_id, first + offset))
-            if emitted[-1] != draft:
-                return tuple(emitted)
-        return (*emitted, self.token_for(seq.request_id, seq.start_position + len(seq.token_ids)))
+        return verify_greedily(seq, lambda offset: self.token_for(seq.request_id, first + offset))
 
     def _count(self, plan: StepPlan) -> None:
         if not plan.sequences:
@@ -187,13 +193,7 @@ class InstantExecutor:
         return self._script[index % len(self._script)]
 
     def _verify(self, seq: ScheduledSequence) -> tuple[int, ...]:
-        """Proposals are accepted while they are the script's next bytes, as greedy verification does."""
-        emitted: list[int] = []
-        for draft in seq.token_ids[len(seq.token_ids) - seq.num_draft_tokens:]:
-            emitted.append(self._next(seq.request_id))
-            if emitted[-1] != draft:
-                return tuple(emitted)
-        return (*emitted, self._next(seq.request_id))
+        return verify_greedily(seq, lambda _: self._next(seq.request_id))  # the script's next bytes, in turn
 
 
 def script_text(num_tokens: int, script: bytes = SCRIPT) -> str:

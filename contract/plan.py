@@ -171,6 +171,11 @@ class StepResult:
     verified: dict[str, tuple[int, ...]] = field(default_factory=dict)
     verified_logprobs: dict[str, tuple[TokenLogprobs, ...]] = field(default_factory=dict)
     proposals: dict[str, tuple[int, ...]] = field(default_factory=dict)  # the draft model's, for the next step
+
+    def tokens_of(self, request_id: str) -> tuple[int, ...]:
+        """The tokens a sampled sequence adds to its request: what its verification emitted, or its one
+        sampled token (also for a sequence whose proposals an executor did not verify: all rejected)."""
+        return self.verified.get(request_id) or (self.sampled_token_ids[request_id],)
     # request id -> (the prompt position of the first entry's token, one entry per prompt token the
     # step's chunk predicts), for requests with prompt_logprobs
     prompt_logprobs: dict[str, tuple[int, tuple[TokenLogprobs, ...]]] = field(default_factory=dict)

@@ -38,7 +38,6 @@ class DraftProposer:
     """Proposes with `loaded`, eagerly, over a pool of `num_blocks` blocks. Called from the runner's thread."""
 
     def __init__(self, loaded: LoadedModel, shape: KVShape, num_blocks: int) -> None:
-        self.loaded = loaded
         loaded.model.set_attn_implementation(ATTENTION_NAME)
         self.cache = PagedKVCache(shape, num_blocks, 0, loaded.device)
         self.forward = PackedForward(loaded.model, "eager")

@@ -77,11 +77,6 @@ def kv_pool_bytes(budget: RunnerBudget, bytes_per_block: int, max_model_len: int
     return min(share, budget.max_num_seqs * blocks_per_sequence * bytes_per_block)
 
 
-def emitted(seq: ScheduledSequence, result: StepResult) -> tuple[int, ...]:
-    """The tokens a sampled sequence added to its request this step."""
-    return result.verified.get(seq.request_id) or (result.sampled_token_ids[seq.request_id],)
-
-
 def kv_shape_of(loaded: LoadedModel, block_size: int, kv_dtype: torch.dtype | None = None) -> KVShape:
     config = text_config_of(loaded.model.config)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -291,7 +286,7 @@ class ModelRunner:
             result.sampled_token_ids = {s.request_id: t for s, t in zip(sampling, tokens, strict=True)}
         if self.draft is not None:
             result.proposals = self.draft.propose(
-                [(seq.request_id, [*seq.prompt_token_ids, *seq.output_token_ids, *emitted(seq, result)],
+                [(seq.request_id, [*seq.prompt_token_ids, *seq.output_token_ids, *result.tokens_of(seq.request_id)],
                   seq.num_proposals_wanted) for seq in sampling if seq.num_proposals_wanted])
         return result
 

@@ -234,10 +234,19 @@ class Scheduler:
         """Proposed tokens for the step's decodes, last, from what the step left: a proposal never takes a
         prompt's tokens or blocks. Each decode verifies the number of its proposals that makes the step's
         expected tokens per second highest (scheduling/speculation.py), interactive ones first."""
+        plan = step.plan
+        decodes = [s for s in plan.sequences if len(s.token_ids) == 1 and s.needs_sample]
+        if decodes:  # else nothing to predict: a step of prompt chunks alone
+            self._add_proposals(step, speculator, decodes)
+        if speculator.drafts_with_model:
+            self._ask_for_proposals(plan, speculator)
+
+    def _add_proposals(self, step: StepBuilder, speculator: Speculator, decodes: list[ScheduledSequence]) -> None:
+        """Each decode's proposals, in the plan's order (interactive first), while they pay and fit."""
         plan, cost_model = step.plan, self.shaper.cost_model
         predicted_s = cost_model.predict(work_of(plan, swaps=False)) if cost_model.coefficients is not None else None
         expected_tokens = float(sum(1 for seq in plan.sequences if seq.needs_sample))
-        for seq in [s for s in plan.sequences if len(s.token_ids) == 1 and s.needs_sample]:
+        for seq in decodes:
             request = self.requests.get(seq.request_id)  # type: ignore[call-overload]  # a str that is a RequestId
             cap = min(speculator.config.num_speculative_tokens, step.tokens_left,
                       request.max_tokens - request.num_output_tokens - 1,
@@ -268,8 +277,6 @@ class Scheduler:
             if predicted_s is not None:
                 predicted_s += added_s
             expected_tokens += expected_accepted(rate, k)
-        if speculator.drafts_with_model:
-            self._ask_for_proposals(plan, speculator)
 
     def _ask_for_proposals(self, plan: StepPlan, speculator: Speculator) -> None:
         """With a draft model: each sampled sequence that may speculate asks the runner for proposals for its
@@ -681,8 +688,7 @@ class Scheduler:
         its length; the blocks past them go back. The tenant is charged for every token computed for it, the
         rejected proposals too, so that speculating cannot buy more than its share."""
         assert self.speculator is not None
-        # An executor that verifies nothing answers with one sampled token: every proposal rejected.
-        emitted = result.verified.get(seq.request_id) or (result.sampled_token_ids[seq.request_id],)
+        emitted = result.tokens_of(seq.request_id)
         num_accepted = len(emitted) - 1
         self.speculator.observe(request.request_id, request.tenant_id, seq.num_draft_tokens, num_accepted)
         sampled_by_tenant[request.tenant_id] = sampled_by_tenant.get(request.tenant_id, 0) + len(seq.token_ids)

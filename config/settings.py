@@ -141,6 +141,10 @@ class Settings(BaseModel):
     interactive_arrival_budget_ms: float | None = Field(default=None, gt=0)
     interactive_arrival_budget_decodes: float = Field(default=4.0, gt=0)
     interactive_arrival_window_s: float | None = Field(default=10.0, ge=0)
+    # While more than one tenant's interactive work is active or may arrive, the chunks of an interactive
+    # prompt longer than this (and predicted past the arrival budget) are shaped: one tenant's long prompts
+    # do not lengthen the steps another tenant's streams decode in.
+    interactive_long_prompt_tokens: int = Field(default=256, ge=1)
     enable_prefix_caching: bool = True
     queue_policy: Literal["vtc", "fcfs"] = "vtc"
     # Within each tenant's line under vtc (scheduling/queue_order.py): fcfs, hrrn (highest response ratio

@@ -137,6 +137,8 @@ class Scheduler:
         self._interactive_seen_at = float("-inf")  # when an interactive request was last unfinished
         self._itl_targets: dict[RequestId, float] = {}  # the running requests whose tenant set an ITL target
         self._arrivals_expected = False
+        self._interactive_seen_by_tenant: dict[str, float] = {}  # when each tenant's interactive work last was
+        self._tenants_share = False  # whether more than one tenant's interactive work is active or expected
         self.lora = LoraResidency(config.max_loras)
         self.speculator = None if config.speculation is None else Speculator(config.speculation)
 
@@ -350,6 +352,10 @@ class Scheduler:
             room.add(request)
             demand.requests.append(request)
             blocks_needed += verdict.num_blocks
+            if self._is_shared_long_prompt(request, verdict.num_new):
+                # Shaped once admitted: it takes from the budget (at least a block), not before it.
+                demand.tokens += min(verdict.num_new, self.geometry.block_size)
+                continue
             demand.tokens += verdict.num_new
             self.shaper.add_demand(demand.work, verdict.num_new, request.num_computed_tokens)
         return demand, blocks_needed
@@ -366,14 +372,33 @@ class Scheduler:
 
     def _may_shape(self) -> bool:
         return self.shaper.may_shape(self.load.has_unfinished(PriorityClass.INTERACTIVE),
-                                     self.load.has_unfinished(PriorityClass.BATCH), self._arrivals_expected)
+                                     self.load.has_unfinished(PriorityClass.BATCH), self._arrivals_expected,
+                                     self._tenants_share)
 
     def _note_interactive_traffic(self) -> None:
-        """Once a step: whether interactive requests may arrive (see StepShaper.expects_arrivals)."""
+        """Once a step: whether interactive requests may arrive (see StepShaper.expects_arrivals), and
+        whether more than one tenant's may (then tenants' long prompts are shaped)."""
         now = self.clock()
         if self.load.has_unfinished(PriorityClass.INTERACTIVE):
             self._interactive_seen_at = now
         self._arrivals_expected = self.shaper.expects_arrivals(now - self._interactive_seen_at)
+        seen = self._interactive_seen_by_tenant
+        for tenant_id in self.load.backlogged(PriorityClass.INTERACTIVE):
+            seen[tenant_id] = now
+        if len(seen) > 1:
+            for tenant_id in [t for t, at in seen.items() if not self.shaper.expects_arrivals(now - at)]:
+                del seen[tenant_id]
+        self._tenants_share = len(seen) > 1
+
+    def _waits_its_turn(self, request: Request, num_new: int, step: StepBuilder) -> bool:
+        """Whether a request did not start because it is a tenant's long prompt whose turn this step is not."""
+        return not step.long_prompt_turn and self._is_shared_long_prompt(request, num_new)
+
+    def _is_shared_long_prompt(self, request: Request, num_new: int) -> bool:
+        """Whether this is a chunk of a long interactive prompt in steps other tenants' work shares (see
+        step_shaper.py): shaped, where one tenant's prompts alone are not."""
+        return (num_new > 1 and self._tenants_share and request.priority is PriorityClass.INTERACTIVE
+                and self.shaper.is_long_prompt(request))
 
     def _open_shaped_budget(self, step: StepBuilder, interactive_demand: InteractiveDemand,
                             opened_for: PriorityClass = PriorityClass.BATCH) -> None:
@@ -383,10 +408,11 @@ class Scheduler:
     def _shaped(self, step: StepBuilder, request: Request, num_new: int, interactive_demand: InteractiveDemand,
                 swap_in_blocks: int = 0) -> int:
         """num_new, or fewer when step shaping holds the request's work back (see step_shaper.py)."""
-        if not self.shaper.shapes(request) or not self._may_shape():
+        long_prompt = self._is_shared_long_prompt(request, num_new)
+        if not (long_prompt or self.shaper.shapes(request)) or not self._may_shape():
             return num_new
         self._open_shaped_budget(step, interactive_demand, request.priority)
-        return self.shaper.fit(step, request, num_new, swap_in_blocks)
+        return self.shaper.fit(step, request, num_new, swap_in_blocks, long_prompt)
 
     def _schedule_running(self, step: StepBuilder, interactive_demand: InteractiveDemand) -> bool:
         """Interactive before batch, decodes before prefill chunks. Running batch work leaves
@@ -519,7 +545,9 @@ class Scheduler:
                     passed_over.add(request.tenant_id)
                     continue
                 started = self._resume(request, verdict, step) if swapped else self._admit(request, step)
-                if not started:
+                if not started and self._waits_its_turn(request, verdict.num_new, step):
+                    passed_over.add(request.tenant_id)  # the other tenants' prompts are not held behind it
+                elif not started:
                     return False
         return True
 

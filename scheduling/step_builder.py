@@ -19,6 +19,8 @@ class StepBuilder:
     blocks: KVBlockManager  # for each sequence's block table
     # Step shaping (see Scheduler._open_shaped_budget): None while unshaped.
     shaped_time_left_s: float | None = None
+    prompt_time_left_s: float | None = None  # what tenants' long interactive prompts may take (step_shaper.py)
+    long_prompt_turn: bool = False  # whether they may take any
     shaping_decided: bool = False
     batch_floor_tokens: int = 0  # batch_min_share's tokens, which shaping never takes from batch
     batch_tokens: int = 0

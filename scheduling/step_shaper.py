@@ -20,6 +20,20 @@ the prompt's first token waits for no batch work, and the streams beside it wait
 Before the model has seen enough steps nothing is shaped; with no interactive request active, only the
 arrival budget holds.
 
+Tenants' long prompts: while interactive work of more than one tenant is active or may arrive (within
+`arrival_window_s`), the chunks of an interactive prompt longer than `long_prompt_tokens` and predicted
+past the arrival budget are shaped too, so that one tenant's long prompts cannot lengthen the steps
+another tenant's streams decode in, nor hold its arriving prompt for a whole long step. With no stream
+decoding such a chunk takes up to the arrival budget. With streams decoding, long prompts take turns:
+one step in `long_prompt_every` holds a chunk of them, up to the arrival budget (or the tenant's ITL
+target), and at least a block; the other steps hold none, so the streams' median gap stays their own
+and their longest is within the arrival budget. A step starting a prompt gives them no turn (unless they
+have waited twice their turn: prompts arriving in every step must not starve them), and a long prompt
+waiting for its turn holds no other tenant's prompt back in the queue. On a CPU a
+few prompt tokens in every step would cost the streams more: a step's first rows past a decode are its
+dearest. It is how vLLM's `long_prefill_token_threshold` lets short prompts through beside long ones,
+drawn between tenants. One tenant alone is not shaped: its long prompt only waits for its own work.
+
 The arrival budget: an interactive request that arrives while a step runs waits for that step to end, so
 while interactive traffic may arrive (some was unfinished within `arrival_window_s`, or always), no step
 is predicted past `arrival_budget_s`: a batch flood's steps are cut to it even when no interactive
@@ -50,6 +64,8 @@ class ShapingConfig:
     arrival_budget_s: float | None = None  # a fixed arrival budget; None derives it as below
     arrival_budget_decodes: float = 4.0  # the derived budget: this times a lone decode step's measured time
     arrival_window_s: float | None = 10.0  # after the last interactive work; None: always expect arrivals
+    long_prompt_tokens: int = 256  # an interactive prompt longer than this is shaped while tenants share steps
+    long_prompt_every: int = 4  # with streams decoding, a long prompt's chunk is in one step in this many
 
 
 @dataclass(slots=True)
@@ -59,6 +75,8 @@ class ShapingCounters:
     # Steps whose interactive work alone was predicted past a fixed ITL target (the server's or a tenant's):
     # the target shaping could not meet, whatever batch work did.
     itl_target_missed_steps: int = 0
+    # Tokens of tenants' long interactive prompts held to a later step while other tenants shared the steps.
+    long_prompt_tokens_deferred: int = 0
 
 
 class StepShaper:
@@ -67,6 +85,8 @@ class StepShaper:
         self.block_size = block_size
         self.cost_model = cost_model or StepCostModel()
         self.counters = ShapingCounters()
+        self._long_prompt_waits = 0  # steps a tenant's long prompt has waited since its last turn
+        self._waited_in: StepBuilder | None = None
 
     def shapes(self, request: Request) -> bool:
         """Whether this request's work takes from the shaped budget (and so opens it)."""
@@ -74,17 +94,28 @@ class StepShaper:
             return True
         return self.config.interactive_itl_target_s is not None and request.num_uncomputed_tokens > 1
 
-    def may_shape(self, interactive_active: bool, batch_unfinished: bool, arrivals_expected: bool = False) -> bool:
+    def may_shape(self, interactive_active: bool, batch_unfinished: bool, arrivals_expected: bool = False,
+                  tenants_share: bool = False) -> bool:
         """Whether this step can shape anything at all: when not, `fit` grants every request what it
         wants, and the scheduler skips asking for each one (and counting the work of the interactive
-        requests waiting). Under a derived target only batch work is shaped, so with no batch request
-        unfinished nothing is; with no interactive request active, only batch work within the arrival
-        budget, while arrivals are expected."""
+        requests waiting). Under a derived target only batch work and, while tenants share the steps
+        (`tenants_share`), long interactive prompts are shaped; with no interactive request active, only
+        batch work within the arrival budget, while arrivals are expected."""
         if not self.config.enabled or self.cost_model.coefficients is None:
             return False
         if not interactive_active:
             return arrivals_expected and batch_unfinished
-        return batch_unfinished or self.config.interactive_itl_target_s is not None
+        return batch_unfinished or tenants_share or self.config.interactive_itl_target_s is not None
+
+    def is_long_prompt(self, request: Request) -> bool:
+        """Whether the request's prompt is long: past `long_prompt_tokens`, and predicted past the arrival
+        budget in one step (on a fast device no prompt of that length is, and none is shaped). A property
+        of the prompt, not of the chunk left: its last chunks are held as its first were."""
+        num_prompt = request.num_prompt_tokens
+        coefficients, budget = self.cost_model.coefficients, self.arrival_budget_s()
+        if num_prompt <= self.config.long_prompt_tokens or coefficients is None or budget is None:
+            return False
+        return coefficients.added_by(num_prompt, 0) > budget
 
     def expects_arrivals(self, seconds_since_interactive: float) -> bool:
         """Whether interactive requests may arrive, given how long ago one was last unfinished."""
@@ -127,20 +158,30 @@ class StepShaper:
         interactive = combined(work_of(step.plan, swaps=False), interactive_demand, len(step.plan.swap_out))
         predicted = coefficients.predict(interactive) + self.cost_model.residual(interactive.tokens)
         arrival_budget = self.arrival_budget_s() or 0.0
-        if not interactive.sequences and opened_for is PriorityClass.BATCH:
-            # Only batch work is coming: no stream is decoding, so only arrivals are protected (may_shape
-            # said whether any are expected). The first batch chunk gets a block whatever the budget.
-            step.shaped_time_left_s = max(0.0, arrival_budget - predicted)
+        fixed_target = self.config.interactive_itl_target_s is not None
+        if not interactive.sequences and (opened_for is PriorityClass.BATCH or not fixed_target):
+            # Only shaped work is coming (batch, or tenants' long prompts): no stream is decoding, so only
+            # arrivals are protected. The first batch chunk gets a block whatever the budget.
+            step.shaped_time_left_s = step.prompt_time_left_s = max(0.0, arrival_budget - predicted)
+            step.long_prompt_turn = True
         else:
             target = self._target_s(predicted)
             if tenant_target_s is not None:
                 target = min(target, tenant_target_s)
             if predicted > target:
                 self.counters.itl_target_missed_steps += 1
-            if self.config.interactive_itl_target_s is None and _starts_a_prompt(step, interactive_demand):
+            starts_a_prompt = _starts_a_prompt(step, interactive_demand)
+            if self.config.interactive_itl_target_s is None and starts_a_prompt:
                 target = min(target, self.config.interactive_ttft_slack * predicted)
             target = min(target, max(arrival_budget, predicted))
             step.shaped_time_left_s = max(0.0, target - predicted)
+            # Tenants' long prompts take turns: a step in long_prompt_every, up to the arrival budget (or the
+            # tenant's target); the streams' other steps hold none of them. On a CPU a few prompt tokens
+            # in every step would cost more: a step's first rows past a decode are its dearest.
+            every, waits = self.config.long_prompt_every, self._long_prompt_waits
+            step.long_prompt_turn = waits >= every - 1 and (not starts_a_prompt or waits >= 2 * every - 1)
+            turn_s = arrival_budget if tenant_target_s is None else min(arrival_budget, tenant_target_s)
+            step.prompt_time_left_s = max(0.0, turn_s - predicted)
         self.counters.shaped_steps += 1
 
     def _target_s(self, interactive_predicted_s: float) -> float:
@@ -151,11 +192,20 @@ class StepShaper:
         return max(self.config.interactive_itl_slack * interactive_predicted_s,
                    self.config.interactive_itl_decodes * lone_decode_s)
 
-    def fit(self, step: StepBuilder, request: Request, wanted: int, swap_in_blocks: int = 0) -> int:
-        """How many of the wanted tokens the request may compute in this step, and take their time."""
-        coefficients, time_left = self.cost_model.coefficients, step.shaped_time_left_s
-        if time_left is None or coefficients is None or wanted <= 0:
+    def fit(self, step: StepBuilder, request: Request, wanted: int, swap_in_blocks: int = 0,
+            long_prompt: bool = False) -> int:
+        """How many of the wanted tokens the request may compute in this step, and take their time. A
+        tenant's `long_prompt` is held to the smaller time its chunks may take (see open_budget)."""
+        coefficients, shaped_left = self.cost_model.coefficients, step.shaped_time_left_s
+        if shaped_left is None or coefficients is None or wanted <= 0:
             return wanted
+        time_left = shaped_left
+        if long_prompt:
+            if not step.long_prompt_turn:  # it waits: the streams' step holds none of it
+                self._note_long_prompt_wait(step)
+                self.counters.long_prompt_tokens_deferred += wanted
+                return 0
+            time_left = step.prompt_time_left_s or 0.0
         start = request.num_computed_tokens
         swap_s = coefficients.per_swapped_block_s * swap_in_blocks
 
@@ -169,15 +219,27 @@ class StepShaper:
         else:
             granted = max(largest_fitting(wanted, lambda n: cost(n) <= time_left), self._floor(step, request, wanted))
         if granted:
-            step.shaped_time_left_s = max(0.0, time_left - cost(granted))
+            spent = cost(granted)
+            step.shaped_time_left_s = max(0.0, shaped_left - spent)
+            if long_prompt:
+                self._long_prompt_waits = 0
+                step.prompt_time_left_s = max(0.0, time_left - spent)
         if request.priority is PriorityClass.BATCH:
             self.counters.batch_tokens_deferred += wanted - granted
+        elif long_prompt:
+            self.counters.long_prompt_tokens_deferred += wanted - granted
         return granted
+
+    def _note_long_prompt_wait(self, step: StepBuilder) -> None:
+        """Count the steps in which a long prompt waited (once each, whatever the number of prompts)."""
+        if step is not self._waited_in:
+            self._waited_in = step
+            self._long_prompt_waits += 1
 
     def _floor(self, step: StepBuilder, request: Request, wanted: int) -> int:
         """What shaping never takes: batch_min_share's tokens for batch, and a block's worth for the first
         batch chunk of a step that holds nothing else (batch work always moves); a block's worth for an
-        interactive prefill under a fixed target, so it always progresses."""
+        interactive prefill under a fixed target or a tenant's long prompt, so it always progresses."""
         if request.priority is PriorityClass.BATCH:
             if not step.plan.sequences:
                 return min(wanted, self.block_size)

@@ -16,6 +16,7 @@ class TenantLoad:
         self._max_concurrent = tenants.max_concurrent_limits()  # read for many waiting requests at every step
         self._unfinished: Counter[tuple[PriorityClass, str]] = Counter()  # per class and tenant
         self._unfinished_by_class: Counter[PriorityClass] = Counter()
+        self._backlogged: dict[PriorityClass, set[str]] = {p: set() for p in PriorityClass}  # tenants, per class
         self._unfinished_by_tenant: Counter[str] = Counter()
         self._running_by_tenant: Counter[str] = Counter()
         self._running_by_class: Counter[PriorityClass] = Counter()
@@ -30,8 +31,8 @@ class TenantLoad:
         other tenants backlogged in that class (for the VTC lift); otherwise None."""
         key = (request.priority, request.tenant_id)
         newly_backlogged = self._unfinished[key] == 0
-        others = [t for (c, t), n in self._unfinished.items() if c == request.priority and n > 0] \
-            if newly_backlogged else None
+        others = list(self._backlogged[request.priority]) if newly_backlogged else None
+        self._backlogged[request.priority].add(request.tenant_id)
         self._unfinished[key] += 1
         self._unfinished_by_class[request.priority] += 1
         self._count_tenant(request.tenant_id, +1)
@@ -45,6 +46,7 @@ class TenantLoad:
         self._unfinished_by_class[request.priority] -= 1
         self._count_tenant(request.tenant_id, -1)
         if self._unfinished[key] == 0:  # no longer backlogged in its class
+            self._backlogged[request.priority].discard(request.tenant_id)
             self._weigh_active_tenants()
 
     def started_running(self, request: Request) -> None:
@@ -75,6 +77,10 @@ class TenantLoad:
 
     def has_unfinished(self, priority: PriorityClass) -> bool:
         return self._unfinished_by_class[priority] > 0
+
+    def backlogged(self, priority: PriorityClass) -> set[str]:
+        """The tenants with an unfinished request of this class (a live view: do not change it)."""
+        return self._backlogged[priority]
 
     def num_running(self, priority: PriorityClass) -> int:
         return self._running_by_class[priority]

@@ -128,7 +128,8 @@ def shaping_config_of(settings: Settings) -> ShapingConfig:
                          interactive_ttft_slack=settings.interactive_ttft_slack,
                          arrival_budget_s=None if arrival_ms is None else arrival_ms / 1000,
                          arrival_budget_decodes=settings.interactive_arrival_budget_decodes,
-                         arrival_window_s=settings.interactive_arrival_window_s)
+                         arrival_window_s=settings.interactive_arrival_window_s,
+                         long_prompt_tokens=settings.interactive_long_prompt_tokens)
 
 
 def tenants_of(settings: Settings) -> TenantRegistry:

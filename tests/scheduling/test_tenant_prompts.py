@@ -1,0 +1,149 @@
+"""One tenant's long prompts beside another tenant's streams, on the simulated executor: while more than
+one tenant's interactive work is active or may arrive, a long prompt is shaped (step_shaper.py), so the
+other tenant's decode steps hold at most a block of it, its arriving prompt is in the next step, and the
+long prompts still progress. One tenant alone is not shaped."""
+
+from __future__ import annotations
+
+from benchmarks.fake_executors import FakeExecutor, LinearStepCost
+from contract.plan import StepPlan
+from scheduling.request import PriorityClass, Request
+from scheduling.scheduler import Scheduler, SchedulerConfig
+from scheduling.step_shaper import ShapingConfig
+from tests.factories import VirtualClock, make_request, make_scheduler
+
+INTERACTIVE = PriorityClass.INTERACTIVE
+COST = LinearStepCost(overhead_s=0.010, per_token_s=0.001)  # a decode: 11 ms; a 520-token prompt: 530 ms
+TWO_DECODES_S = COST.overhead_s + 2 * COST.per_token_s
+LONG_PROMPT = 520
+
+
+class TwoTenants:
+    """A scheduler fed its step times on a virtual clock, as the engine feeds real ones."""
+
+    def __init__(self, shaping: ShapingConfig | None = None) -> None:
+        self.clock = VirtualClock()
+        config = SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=2048,
+                                 shaping=shaping or ShapingConfig(arrival_window_s=10.0))
+        self.scheduler: Scheduler = make_scheduler(config, num_device_blocks=4096, max_model_len=4096)
+        self.scheduler.clock = self.clock
+        self.executor = FakeExecutor(self.scheduler.geometry, COST)
+        for plan in self.scheduler.calibration_steps():
+            self.scheduler.observe_calibration(plan, COST.seconds(plan))
+        self.neighbour_prompts: list[Request] = []
+
+    def add(self, prompt: int, max_tokens: int, tenant_id: str) -> Request:
+        request = make_request(prompt, max_tokens, priority=INTERACTIVE, tenant_id=tenant_id)
+        self.scheduler.add_request(request)
+        return request
+
+    def keep_a_long_prompt_coming(self) -> None:
+        """The neighbour's closed loop: a fresh long prompt for one token, as soon as the last is done."""
+        if not self.neighbour_prompts or self.neighbour_prompts[-1].status.is_finished:
+            self.neighbour_prompts.append(self.add(LONG_PROMPT, 1, "neighbour"))
+
+    def step(self) -> tuple[StepPlan, float]:
+        plan = self.scheduler.schedule()
+        seconds = COST.seconds(plan)
+        self.scheduler.update(plan, self.executor.execute(plan))
+        self.scheduler.observe_step_time(plan, seconds)
+        self.clock.now += seconds
+        return plan, seconds
+
+    @property
+    def arrival_budget_s(self) -> float:
+        budget = self.scheduler.shaper.arrival_budget_s()
+        assert budget is not None
+        return budget
+
+
+def tokens_of(plan: StepPlan, requests: list[Request]) -> int:
+    ids = {r.request_id for r in requests}
+    return sum(len(s.token_ids) for s in plan.sequences if s.request_id in ids)
+
+
+def test_a_neighbours_long_prompts_take_one_step_in_four_of_another_tenants_streams() -> None:
+    """Two light streams decode while the neighbour sends one long prompt after another: three steps in
+    four hold none of them (the streams' median gap is their own), the fourth within the arrival budget,
+    and the prompts still finish."""
+    sim = TwoTenants()
+    streams = [sim.add(40, 400, "light") for _ in range(2)]
+    shared: list[tuple[int, float]] = []  # per step the streams decode in: the neighbour's tokens, its time
+    for _ in range(400):
+        sim.keep_a_long_prompt_coming()
+        plan, seconds = sim.step()
+        if all(r.num_output_tokens > 1 and not r.status.is_finished for r in streams):
+            shared.append((tokens_of(plan, sim.neighbour_prompts), seconds))
+    untouched = [seconds for tokens, seconds in shared if tokens == 0]
+    assert len(untouched) >= 0.74 * len(shared)
+    assert max(untouched) <= TWO_DECODES_S + 1e-9
+    assert max(seconds for _, seconds in shared) <= sim.arrival_budget_s * 1.05
+    assert sum(r.status.is_finished for r in sim.neighbour_prompts) >= 2  # the long prompts progress
+    assert sim.scheduler.shaper.counters.long_prompt_tokens_deferred > 0
+
+
+def test_an_arriving_prompt_waits_for_no_long_step_of_another_tenants_prompt() -> None:
+    sim = TwoTenants()
+    first = sim.add(40, 4, "light")
+    while not first.status.is_finished:
+        sim.step()  # the light tenant was active a moment ago: it may come back
+    sim.keep_a_long_prompt_coming()
+    steps = [sim.step()[1] for _ in range(5)]
+    assert 0 < sim.neighbour_prompts[0].num_computed_tokens < LONG_PROMPT  # in chunks...
+    assert max(steps) <= sim.arrival_budget_s * 1.05  # ...each within the arrival budget
+
+    chat = sim.add(40, 4, "light")
+    sim.step()
+    assert chat.num_output_tokens == 1  # its first token in the very next step
+
+
+def test_one_tenant_alone_is_not_shaped() -> None:
+    sim = TwoTenants()
+    stream = sim.add(40, 400, "light")
+    for _ in range(5):
+        sim.step()
+    prompt = sim.add(LONG_PROMPT, 1, "light")  # the same tenant's: it only waits for its own work
+    plan, _ = sim.step()
+    assert tokens_of(plan, [prompt]) == LONG_PROMPT
+    assert tokens_of(plan, [stream]) == 1
+
+
+def test_a_tenant_quiet_for_the_arrival_window_no_longer_shares_the_steps() -> None:
+    sim = TwoTenants(ShapingConfig(arrival_window_s=2.0))
+    first = sim.add(40, 4, "light")
+    while not first.status.is_finished:
+        sim.step()
+    sim.clock.now += 2.5  # the light tenant has been quiet for longer than the window
+    sim.keep_a_long_prompt_coming()
+    plan, _ = sim.step()
+    assert tokens_of(plan, sim.neighbour_prompts) == LONG_PROMPT
+
+
+def test_a_long_prompt_waiting_for_its_turn_holds_no_other_tenants_prompt_back() -> None:
+    """The neighbour's long prompt is first in the line (the light tenant has had more service): it waits
+    for its turn, and the light tenant's new prompt behind it starts at once all the same."""
+    sim = TwoTenants()
+    stream = sim.add(40, 400, "light")
+    for _ in range(5):
+        sim.step()
+    sim.scheduler.vtc[INTERACTIVE].charge("light", 100_000, 0)
+    sim.keep_a_long_prompt_coming()
+    chat = sim.add(40, 4, "light")
+    assert sim.scheduler.waiting[INTERACTIVE].peek() is sim.neighbour_prompts[0]
+    sim.step()
+    assert chat.num_output_tokens == 1 and stream.num_output_tokens > 5
+
+
+def test_prompts_arriving_in_every_step_do_not_starve_a_long_prompt() -> None:
+    """A step starting another tenant's prompt gives long prompts no turn, unless they have waited twice
+    their turn: with a new light prompt in every step, the neighbour's long prompt still finishes."""
+    sim = TwoTenants()
+    stream = sim.add(40, 4000, "light")
+    sim.keep_a_long_prompt_coming()
+    for _ in range(300):
+        sim.add(8, 1, "light")
+        sim.step()
+        if sim.neighbour_prompts[0].status.is_finished:
+            break
+    assert sim.neighbour_prompts[0].status.is_finished
+    assert not stream.status.is_finished

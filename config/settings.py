@@ -168,6 +168,11 @@ class Settings(BaseModel):
     # max_file_bytes): without a bound, one tenant's uploads could fill the disk every tenant writes to.
     tenant_max_files: int = Field(default=1000, ge=1)
     tenant_max_file_bytes: int = Field(default=2 * 1024 * MiB, ge=1024)
+    # Those quotas may add up to more than the disk holds: uploads also stop at each tenant's share (by
+    # weight) of the disk's free space beyond this reserve, kept for work already accepted (batch results,
+    # stored responses, the KV disk tier). A tenant past its share gets 507 for its own upload
+    # (app/batch/disk_share.py).
+    storage_reserve_bytes: int = Field(default=1024 * MiB, ge=0)
     # Each tenant's file uploads and downloads together move at most this many bytes a second: moving bytes
     # costs the CPU the model runs on (app/plumbing/byte_rate.py).
     tenant_file_bytes_per_s: int = Field(default=16 * MiB, ge=64 * 1024)

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from starlette.routing import Route
 
+from app.batch.disk_share import DiskShare
 from app.batch.routes import BatchRoutes
 from app.batch.runner import BatchRunner
 from app.batch.store import BatchStore, FileQuota
@@ -29,7 +31,8 @@ class BatchAPI:
         runner = BatchRunner(store, execute, max_in_flight=settings.batch_max_in_flight,
                              poll_seconds=settings.batch_poll_s, weight_of=gate.tenants.weight,
                              is_tenant=gate.tenants.is_listed)
-        quota = FileQuota(settings.tenant_max_files, settings.tenant_max_file_bytes)
+        disk = DiskShare(Path(settings.batch_db_path).parent, settings.storage_reserve_bytes, fraction=1.0)
+        quota = FileQuota(settings.tenant_max_files, settings.tenant_max_file_bytes, disk)
         routes = BatchRoutes(gate, store, runner, model_name=model_name, max_upload_bytes=settings.max_upload_bytes,
                              window_seconds=settings.batch_window_s, default_quota=quota,
                              byte_rate=ByteRate(settings.tenant_file_bytes_per_s)).routes()

@@ -7,6 +7,7 @@ same as an id that does not exist. File content is never logged.
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -110,9 +111,12 @@ class BatchRoutes:
         return StreamingResponse(self.byte_rate.shaped(tenant.tenant_id, chunks), media_type="application/jsonl")
 
     def _quota_of(self, tenant: Tenant) -> FileQuota:
-        limits = tenant.limits
-        return FileQuota(limits.max_files or self.default_quota.max_files,
-                         limits.max_file_bytes or self.default_quota.max_bytes)
+        limits, default = tenant.limits, self.default_quota
+        disk = default.disk
+        if disk is not None:  # the tenant's share of the disk: its weight over every listed tenant's
+            total_weight = sum(t.weight for t in self.gate.tenants) or tenant.weight
+            disk = replace(disk, fraction=min(1.0, tenant.weight / total_weight))
+        return FileQuota(limits.max_files or default.max_files, limits.max_file_bytes or default.max_bytes, disk)
 
     async def _own_file(self, tenant: Tenant, file_id: str) -> StoredFile:
         stored = await self.store.get_file(tenant.tenant_id, file_id)

@@ -21,6 +21,7 @@ from typing import IO, Any
 
 from app.batch import finish
 from app.batch.database import DatabaseThread, StorageQuotaExceeded, transaction
+from app.batch.disk_share import DiskShare
 
 COPY_CHUNK_BYTES = 1024 * 1024
 
@@ -41,10 +42,11 @@ class StoredFile:
 
 @dataclass(slots=True, frozen=True)
 class FileQuota:
-    """What one tenant may keep: files, and their bytes together."""
+    """What one tenant may keep: files, and their bytes together, within its share of the disk."""
 
     max_files: int
     max_bytes: int
+    disk: DiskShare | None = None
 
 
 @dataclass(slots=True, frozen=True)
@@ -187,6 +189,9 @@ def _check_quota(db: sqlite3.Connection, tenant: str, size: int, quota: FileQuot
         raise StorageQuotaExceeded(f"this file ({size} bytes) would bring this tenant's stored files to "
                                    f"{stored_bytes + size} bytes, over its limit of {quota.max_bytes}; "
                                    "delete some first")
+    if quota.disk is not None:
+        all_bytes = db.execute("SELECT COALESCE(SUM(bytes), 0) FROM files").fetchone()[0]
+        quota.disk.check(stored_bytes, all_bytes, size)
 
 
 def _file_rowid(db: sqlite3.Connection, tenant: str, file_id: str) -> tuple[int, int] | None:

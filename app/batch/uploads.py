@@ -13,6 +13,7 @@ from starlette.formparsers import MultiPartException, MultiPartParser
 from starlette.requests import Request
 
 from app.batch.database import StorageFull, StorageQuotaExceeded, is_disk_full
+from app.batch.disk_share import DiskShareExceeded
 from app.plumbing.asgi import bounded_body
 from app.plumbing.errors import APIError
 
@@ -45,6 +46,8 @@ def storage_errors(what: str) -> Iterator[None]:
     except StorageQuotaExceeded as exc:
         raise APIError(429, f"Storage limit reached: {exc}.", type="rate_limit_error",
                        code="storage_limit_exceeded") from None
+    except DiskShareExceeded as exc:
+        raise APIError(507, f"Not stored: {exc}.", code="insufficient_storage") from None
     except (StorageFull, OSError) as exc:
         if isinstance(exc, OSError) and not is_disk_full(exc):
             raise

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import shutil
 import signal
 import subprocess
 from collections.abc import Iterator
@@ -141,6 +142,32 @@ def test_storage_limits_answer_429_and_keep_what_is_stored(server: ServerThread)
     third = upload_bytes(2500)
     assert client.files.content(first).content == b"x" * 1000  # nothing stored was lost
     assert sorted(f.id for f in client.files.list()) == sorted([first, third])
+
+
+def test_a_tenant_past_its_share_of_the_disk_gets_507_and_the_others_still_upload(tenants_file: Path,
+                                                                                   tmp_path: Path) -> None:
+    """The disk's free space beyond the reserve (with what the tenants store) is split among the four
+    tenants: 200 MiB shared, 50 MiB each. alice's second 30 MiB file passes her share and gets 507 for her
+    alone; bob's goes in, and alice's first file is still whole. (Another process's writes may move the
+    disk's free space meanwhile: the margins are tens of MiB.)"""
+    mib = 1024 * 1024
+    database = tmp_path / "files.db"
+    reserve = shutil.disk_usage(tmp_path).free - 200 * mib
+    server = ServerThread(instant_context(tenants_file=str(tenants_file), batch_db_path=str(database),
+                                          storage_reserve_bytes=reserve, max_upload_bytes=64 * mib,
+                                          tenant_file_bytes_per_s=1024 * mib)).start()
+    try:
+        alice, bob = client_for(server, "alice"), client_for(server, "bob")
+        first = alice.files.create(file=("a.jsonl", io.BytesIO(b"a" * 30 * mib)), purpose="batch")
+        with pytest.raises(openai.APIStatusError) as full:
+            alice.files.create(file=("b.jsonl", io.BytesIO(b"b" * 30 * mib)), purpose="batch")
+        assert full.value.status_code == 507
+        assert full.value.code == "insufficient_storage" and "share of the server's disk" in str(full.value)
+        assert bob.files.create(file=("c.jsonl", io.BytesIO(b"c" * 30 * mib)), purpose="batch").bytes == 30 * mib
+        assert alice.files.content(first.id).content == b"a" * 30 * mib
+        assert [f.id for f in alice.files.list()] == [first.id]
+    finally:
+        server.stop()
 
 
 def test_file_content_comes_back_whole_in_chunks(server: ServerThread) -> None:

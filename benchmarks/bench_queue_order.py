@@ -16,12 +16,12 @@ import argparse
 import json
 import math
 import random
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from benchmarks.fake_executors import FakeExecutor, LinearStepCost
 from contract.plan import CacheGeometry
+from loadtest.mixed import LONG_BUCKET, TraceRequest, poisson_trace
 from scheduling.queue_order import QUEUE_ORDERS, QueueOrderName
 from scheduling.request import PriorityClass, Request, RequestId
 from scheduling.scheduler import Scheduler, SchedulerConfig
@@ -30,41 +30,11 @@ from tenancy.tenants import Tenant, TenantId, TenantRegistry
 
 COST = LinearStepCost(overhead_s=0.020, per_token_s=0.0018)
 TENANTS = ("a", "b")
-DOCUMENT_TOKENS = 4000
-LONG_BUCKET = 2048  # prompts at least this long are the longest bucket
-
-
-@dataclass(slots=True, frozen=True)
-class TraceRequest:
-    arrival_s: float
-    tenant: str
-    prompt_tokens: int
-    output_tokens: int
 
 
 def make_trace(duration_s: float, seed: int, load: float) -> list[TraceRequest]:
-    rng = random.Random(seed)
-    requests: list[TraceRequest] = []
-    # The rate that offers `load` times the executor's token throughput (a full step's cost per token).
-    drawn = [_draw(rng) for _ in range(2000)]
-    mean_s = sum(COST.per_token_s * (p + o) for p, o in drawn) / len(drawn)
-    rate = load / mean_s
-    for tenant in TENANTS:
-        now = 0.0
-        while True:
-            now += rng.expovariate(rate / len(TENANTS))
-            if now > duration_s:
-                break
-            prompt, output = _draw(rng)
-            requests.append(TraceRequest(now, tenant, prompt, output))
-    return sorted(requests, key=lambda r: r.arrival_s)
-
-
-def _draw(rng: random.Random) -> tuple[int, int]:
-    chat = min(2000, max(8, round(rng.lognormvariate(math.log(300), 0.8))))
-    prompt = DOCUMENT_TOKENS if rng.random() < 0.05 else chat
-    output = min(1000, max(4, round(rng.lognormvariate(math.log(100), 0.9))))
-    return prompt, output
+    """The trace `python -m loadtest mixed` sends a real server, at the simulated executor's cost."""
+    return poisson_trace(duration_s, seed, load, COST.per_token_s, len(TENANTS))
 
 
 class Clock:
@@ -115,7 +85,8 @@ def run_order(order: QueueOrderName, trace: list[TraceRequest], seed: int, aging
 def _request(item: TraceRequest, number: int, seed: int) -> Request:
     rng = random.Random(f"{seed}-{number}")
     prompt = [rng.randrange(256) for _ in range(item.prompt_tokens)]
-    return Request(RequestId(f"{item.tenant}-{number}"), prompt, item.output_tokens, tenant_id=TenantId(item.tenant),
+    tenant = TENANTS[item.tenant]
+    return Request(RequestId(f"{tenant}-{number}"), prompt, item.output_tokens, tenant_id=TenantId(tenant),
                    arrival_time=item.arrival_s)
 
 

@@ -1,10 +1,12 @@
-"""`python -m loadtest soak`, `overload`, `noisy-neighbour` and `latency`: the long runs, each with its own flags.
+"""`python -m loadtest soak`, `overload`, `noisy-neighbour`, `latency` and `mixed`: the long runs, each with its
+own flags.
 Exit status: 0 when the run held, 1 when a check failed, 2 for a run refused before it began."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import sys
 from collections.abc import Callable
@@ -15,6 +17,7 @@ import httpx
 
 from loadtest.client import is_loopback_url
 from loadtest.latency import PHASES, LatencyConfig, build_latency_report, run_latency, write_latency_report
+from loadtest.mixed import MixedConfig, build_mixed_report, run_mixed, write_mixed_report
 from loadtest.noisy import ABUSES, NoisyConfig, build_noisy_report, run_noisy, write_noisy_report
 from loadtest.overload import OverloadConfig, run_overload
 from loadtest.overload_report import build_overload_report, write_overload_report
@@ -24,7 +27,7 @@ from loadtest.workload import ANONYMOUS, LoadTenant, LoadTenantsError, load_admi
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 MIB = 1024 * 1024
-LONG_RUNS = ("soak", "overload", "noisy-neighbour", "latency")
+LONG_RUNS = ("soak", "overload", "noisy-neighbour", "latency", "mixed")
 T = TypeVar("T")
 
 
@@ -86,6 +89,18 @@ def latency_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-words", type=int, default=45, help="about 60 tokens")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--warmup", type=float, default=5.0, help="seconds of each phase not measured")
+    return p
+
+
+def mixed_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m loadtest mixed", description=__doc__)
+    _common(p, "mixed")
+    p.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals")
+    p.add_argument("--load", type=float, default=1.3, help="times the server's capacity")
+    p.add_argument("--tokens-per-s", type=float, default=550.0, help="the server's capacity, prompt and output")
+    p.add_argument("--label", default="", help="what the server ran with, for the report")
+    p.add_argument("--scale", type=float, default=1.0, help="every length times this")
+    p.add_argument("--against", help="an earlier run's report.json to compare with")
     return p
 
 
@@ -152,8 +167,21 @@ def _latency(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     return report, write_latency_report(report, Path(args.out))
 
 
+def _mixed(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+    tenants, _ = tenants_of(args.tenants)
+    config = MixedConfig(args.url.rstrip("/"), tenants, args.duration, args.load, args.tokens_per_s, args.seed,
+                         args.label, args.scale)
+    against = json.loads(Path(args.against).read_text()) if args.against else None
+    load_before = os.getloadavg()[0]
+    result = asyncio.run(run_mixed(config))
+    report = build_mixed_report(result, (load_before, os.getloadavg()[0]), against)
+    report["passed"] = report["summary"]["errors"] == 0
+    return report, write_mixed_report(report, Path(args.out))
+
+
 RUNS = {"soak": (soak_parser, _soak), "overload": (overload_parser, _overload),
-        "noisy-neighbour": (noisy_parser, _noisy), "latency": (latency_parser, _latency)}
+        "noisy-neighbour": (noisy_parser, _noisy), "latency": (latency_parser, _latency),
+        "mixed": (mixed_parser, _mixed)}
 
 
 def run_long(argv: list[str]) -> int:

@@ -1,0 +1,46 @@
+"""`python -m loadtest mixed` against a real uvicorn on loopback (the instant executor, lengths scaled down):
+every request of the seeded trace is sent at its time and streamed, the report holds TTFT mean and p99, the
+longest bucket's p99 and the tenants' Jain index, and compares with an earlier report."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from loadtest.__main__ import main
+from loadtest.mixed import DOCUMENT_TOKENS, poisson_trace
+from tests.app.conftest import ServerThread, instant_context
+from tests.tenants_files import tenants_toml
+
+KEYS = {"a": "fl-mixed-a-key", "b": "fl-mixed-b-key"}
+
+
+def test_the_trace_is_seeded_past_capacity_and_has_documents() -> None:
+    trace = poisson_trace(600, seed=3, load=1.3, per_token_s=0.0018)
+    assert trace == poisson_trace(600, seed=3, load=1.3, per_token_s=0.0018)
+    offered = sum(0.0018 * (r.prompt_tokens + r.output_tokens) for r in trace) / 600
+    assert 1.0 < offered < 1.7  # about 1.3 seconds of work a second
+    assert {r.tenant for r in trace} == {0, 1}
+    assert 0.02 < sum(r.prompt_tokens == DOCUMENT_TOKENS for r in trace) / len(trace) < 0.09
+
+
+def test_the_command_sends_the_trace_and_compares_with_an_earlier_run(tmp_path: Path) -> None:
+    tenants = tmp_path / "tenants.toml"
+    tenants.write_text(tenants_toml(KEYS))
+    client = tmp_path / "client.toml"
+    client.write_text("".join(f'[[tenants]]\nid = "{t}"\napi_key = "{k}"\n\n' for t, k in KEYS.items()))
+    server = ServerThread(instant_context(tenants_file=str(tenants))).start()
+    try:
+        args = ["mixed", "--url", server.base_url, "--tenants", str(client), "--duration", "3", "--scale", "0.02",
+                "--tokens-per-s", "200"]
+        assert main([*args, "--label", "first", "--out", str(tmp_path / "first")]) == 0
+        assert main([*args, "--label", "second", "--out", str(tmp_path / "second"),
+                     "--against", str(tmp_path / "first" / "report.json")]) == 0
+    finally:
+        server.stop()
+    report = json.loads((tmp_path / "second" / "report.json").read_text())
+    summary = report["summary"]
+    assert summary["requests"] > 5 and summary["errors"] == 0
+    assert summary["ttft_mean_s"] is not None and summary["ttft_p99_s"] >= summary["ttft_p50_s"]
+    assert summary["jain"] is not None and 0.5 <= summary["jain"] <= 1.0
+    assert report["against"]["label"] == "first" and report["against"]["ratios"]["ttft_mean_s"] is not None

@@ -194,7 +194,7 @@ def mixed_table(report: dict[str, Any]) -> str:
             ["TTFT p50 s", sec(s["ttft_p50_s"])], ["TTFT p99 s", sec(s["ttft_p99_s"])],
             [f"longest bucket ({s['longest_bucket_requests']}) TTFT p99 s", sec(s["longest_bucket_ttft_p99_s"])],
             ["Jain (both backlogged)", "-" if s["jain"] is None else f"{s['jain']:.3f}"]]
-    text = format_table([[report["config"]["label"] or "this run", ""], *rows])
+    text = format_table([[report["config"]["label"] or "this run", ""], *rows]) + "\n"
     against = report.get("against")
     if against:
         ratios = "\n".join(f"  {key}: {value:.2f}x" for key, value in against["ratios"].items() if value)

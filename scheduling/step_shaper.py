@@ -195,7 +195,7 @@ class StepShaper:
     def fit(self, step: StepBuilder, request: Request, wanted: int, swap_in_blocks: int = 0,
             long_prompt: bool = False) -> int:
         """How many of the wanted tokens the request may compute in this step, and take their time. A
-        tenant's `long_prompt` is held to the smaller time its chunks may take (see open_budget)."""
+        tenant's `long_prompt` takes only in its turn, from the time turns have (see open_budget)."""
         coefficients, shaped_left = self.cost_model.coefficients, step.shaped_time_left_s
         if shaped_left is None or coefficients is None or wanted <= 0:
             return wanted

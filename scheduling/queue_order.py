@@ -77,6 +77,26 @@ class QueueOrder:
             return min(weighed, key=self.context.predicted_work)
         return max(weighed, key=self.context.cached_prefix_tokens)  # max keeps the earliest of equals
 
+    def ranked(self, requests: list[Request]) -> list[Request]:
+        """The requests (in arrival order) as `first` would pick them one after another: those with a
+        TTFT deadline by slack, then the aged oldest first, then by the order (highest response ratio,
+        or least predicted work). FCFS and LPM keep the given order (a running prompt's prefix is cached
+        already)."""
+        if self.name in ("fcfs", "lpm") or len(requests) < 2:
+            return requests
+        now, token_s, work = self.context.clock(), self.context.token_s(), self.context.predicted_work
+
+        def rank(r: Request) -> tuple[int, float]:
+            if r.ttft_deadline is not None:
+                return 0, self._slack(r)
+            if now - r.arrival_time >= self.context.aging_s:
+                return 1, r.arrival_time
+            if self.name == "hrrn":
+                return 2, -(now - r.arrival_time) / (max(work(r), 1.0) * token_s)
+            return 2, work(r)
+
+        return sorted(requests, key=rank)
+
     def _slack(self, request: Request) -> float:
         assert request.ttft_deadline is not None
         to_first_token_s = (request.num_prompt_tokens - request.num_computed_tokens) * self.context.token_s()

@@ -69,6 +69,10 @@ class SchedulerConfig:
     queue_policy: str = "vtc"  # vtc (weighted fair per tenant) or fcfs
     queue_order: QueueOrderName = "hrrn"  # within a tenant's line under vtc (scheduling/queue_order.py)
     queue_aging_s: float = 90.0  # hrrn, srpt, lpm: a request waiting this long goes first
+    # A running prompt's chunk while others of its class wait (vLLM's long_prefill_token_threshold): the
+    # rest of the step is left to them, so a document does not take every step's budget while the
+    # prompts behind it wait. None: a quarter of max_num_batched_tokens.
+    long_prefill_token_threshold: int | None = None
     preemption_mode: str = "swap"  # swap (recompute when the CPU pool is full) or recompute
     batch_min_share: float = 0.0  # share of each step's tokens kept for batch when it has work
     service_weights: ServiceWeights = field(default_factory=ServiceWeights)
@@ -120,10 +124,11 @@ class Scheduler:
         self.vtc = {c: VirtualTokenCounter(config.service_weights, self.tenants.weight) for c in CLASSES}
         self.output_lengths = OutputLengths()
         self.shaper = StepShaper(config.shaping, geometry.block_size)
-        order = QueueOrder(config.queue_order, OrderContext(clock, self._predicted_work, self._cached_prefix_tokens,
-                                                            self._token_s, config.queue_aging_s))
+        self.order = QueueOrder(config.queue_order, OrderContext(clock, self._predicted_work,
+                                                                 self._cached_prefix_tokens, self._token_s,
+                                                                 config.queue_aging_s))
         self.waiting: dict[PriorityClass, RequestQueue] = {
-            c: create_request_queue(config.queue_policy, self.vtc[c], order) for c in CLASSES}
+            c: create_request_queue(config.queue_policy, self.vtc[c], self.order) for c in CLASSES}
         self.running: list[Request] = []
         self.swapped: list[Request] = []
         self.requests: dict[RequestId, Request] = {}
@@ -395,10 +400,17 @@ class Scheduler:
         return not step.long_prompt_turn and self._is_shared_long_prompt(request, num_new)
 
     def _is_shared_long_prompt(self, request: Request, num_new: int) -> bool:
-        """Whether this is a chunk of a long interactive prompt in steps other tenants' work shares (see
-        step_shaper.py): shaped, where one tenant's prompts alone are not."""
-        return (num_new > 1 and self._tenants_share and request.priority is PriorityClass.INTERACTIVE
-                and self.shaper.is_long_prompt(request))
+        """Whether this is a chunk of a long interactive prompt in steps other tenants' work shares, from a
+        tenant that has had as much interactive service as one of them or more (its VTC counter is not the
+        lowest): shaped (see step_shaper.py). The tenant served least is never held back, nor is one tenant
+        alone: when every tenant sends long prompts they take turns by service, not all of them one step
+        in four. Ties are held back: a tenant newly backlogged is lifted to the others' counters."""
+        if not (num_new > 1 and self._tenants_share and request.priority is PriorityClass.INTERACTIVE
+                and self.shaper.is_long_prompt(request)):
+            return False
+        vtc = self.vtc[PriorityClass.INTERACTIVE]
+        counter = vtc.get(request.tenant_id)
+        return any(vtc.get(t) <= counter for t in self._interactive_seen_by_tenant if t != request.tenant_id)
 
     def _open_shaped_budget(self, step: StepBuilder, interactive_demand: InteractiveDemand,
                             opened_for: PriorityClass = PriorityClass.BATCH) -> None:
@@ -431,6 +443,7 @@ class Scheduler:
             preempted = self._schedule_interactive_decodes(step, ordered, num_interactive_decodes)
             first_general = num_interactive_decodes
         held_for_interactive = min(interactive_demand.tokens, self.config.max_num_batched_tokens - reserve)
+        chunk_cap = {c: self._chunk_cap(c) for c in CLASSES}
         may_shape = self._may_shape()
         table_of, block_size = self.blocks.device_tables.get, self.geometry.block_size
         interactive, running = PriorityClass.INTERACTIVE, RequestStatus.RUNNING
@@ -443,6 +456,8 @@ class Scheduler:
             cap = step.tokens_left - (reserve if request.priority is interactive else held_for_interactive)
             if num_new > cap:
                 num_new = cap
+            if num_new > chunk_cap[request.priority]:
+                num_new = chunk_cap[request.priority]
             if may_shape:
                 num_new = self._shaped(step, request, num_new, interactive_demand)
             if num_new <= 0:
@@ -456,6 +471,14 @@ class Scheduler:
                 table = table_of(request.request_id, ())
             step.add(request, num_new, table)
         return preempted
+
+    def _chunk_cap(self, priority: PriorityClass) -> int:
+        """The most tokens a running prompt of this class computes in this step: the long-prefill threshold
+        while requests of its class wait, so they start beside it; else the whole budget."""
+        if not len(self.waiting[priority]):
+            return self.config.max_num_batched_tokens
+        threshold = self.config.long_prefill_token_threshold
+        return max(1, self.config.max_num_batched_tokens // 4) if threshold is None else threshold
 
     def _schedule_interactive_decodes(self, step: StepBuilder, ordered: list[Request], count: int) -> bool:
         """The first `count` requests of `ordered`, interactive ones decoding a token each, when they all fit
@@ -514,8 +537,22 @@ class Scheduler:
                 num_interactive_decodes = len(decodes)
             ordered += decodes
             if len(decodes) < len(requests):  # prefill chunks (and none left to compute, which are skipped)
-                ordered += [r for r in requests if len(r.token_ids) - r.num_computed_tokens != 1]
+                ordered += self._in_each_tenants_order([r for r in requests
+                                                        if len(r.token_ids) - r.num_computed_tokens != 1])
         return ordered, num_interactive_decodes
+
+    def _in_each_tenants_order(self, prompts: list[Request]) -> list[Request]:
+        """Running prompts, each tenant's in its queue order: a tenant's short prompt started after its
+        document is computed first, as it would have been admitted first had it waited (on a server
+        with room for all, every prompt starts running as it arrives, and the line never forms). The
+        places of the tenants among themselves are kept: the order never moves service between tenants."""
+        if len(prompts) < 2 or self.order.name in ("fcfs", "lpm"):
+            return prompts
+        by_tenant: dict[str, list[Request]] = {}
+        for request in prompts:
+            by_tenant.setdefault(request.tenant_id, []).append(request)
+        ranked = {tenant: iter(self.order.ranked(own)) for tenant, own in by_tenant.items()}
+        return [next(ranked[request.tenant_id]) for request in prompts]
 
     def _resume_and_admit(self, step: StepBuilder, classes: Iterable[PriorityClass],
                           interactive_demand: InteractiveDemand) -> None:

@@ -22,17 +22,19 @@ arrival budget holds.
 
 Tenants' long prompts: while interactive work of more than one tenant is active or may arrive (within
 `arrival_window_s`), the chunks of an interactive prompt longer than `long_prompt_tokens` and predicted
-past the arrival budget are shaped too, so that one tenant's long prompts cannot lengthen the steps
-another tenant's streams decode in, nor hold its arriving prompt for a whole long step. With no stream
-decoding such a chunk takes up to the arrival budget. With streams decoding, long prompts take turns:
-one step in `long_prompt_every` holds a chunk of them, up to the arrival budget (or the tenant's ITL
-target), and at least a block; the other steps hold none, so the streams' median gap stays their own
-and their longest is within the arrival budget. A step starting a prompt gives them no turn (unless they
-have waited twice their turn: prompts arriving in every step must not starve them), and a long prompt
-waiting for its turn holds no other tenant's prompt back in the queue. On a CPU a
-few prompt tokens in every step would cost the streams more: a step's first rows past a decode are its
-dearest. It is how vLLM's `long_prefill_token_threshold` lets short prompts through beside long ones,
-drawn between tenants. One tenant alone is not shaped: its long prompt only waits for its own work.
+past the arrival budget, from a tenant whose interactive VTC counter is not the lowest of them (the
+scheduler decides; the tenant served least is never held back), are shaped too, so that one tenant's
+long prompts cannot lengthen the steps another tenant's streams decode in, nor hold its arriving prompt
+for a whole long step. With no stream decoding such a chunk takes up to the arrival budget. With streams
+decoding, long prompts take turns: one step in `long_prompt_every` holds a chunk of them, up to the
+arrival budget (or the tenant's ITL target), and at least a block; the other steps hold none, so the
+streams' median gap stays their own and their longest is within the arrival budget. A step starting a
+prompt gives them no turn (unless they have waited twice their turn: prompts arriving in every step must
+not starve them), and a long prompt waiting for its turn holds no other tenant's prompt back in the
+queue. On a CPU a few prompt tokens in every step would cost the streams more: a step's first rows past
+a decode are its dearest. It is how vLLM's `long_prefill_token_threshold` lets short prompts through
+beside long ones, drawn between tenants. One tenant alone is not shaped: its long prompt only waits for
+its own work.
 
 The arrival budget: an interactive request that arrives while a step runs waits for that step to end, so
 while interactive traffic may arrive (some was unfinished within `arrival_window_s`, or always), no step

@@ -172,3 +172,54 @@ def test_output_lengths_are_learned_per_tenant_and_prompt_length_and_ranked() ->
     assert lengths.predict(make_request(10, 500, tenant_id="new")) == 250  # nothing seen: half of max_tokens
     assert lengths.predict(make_request(10, 50, tenant_id="t")) <= 50
     assert lengths.rank_correlation is not None and lengths.rank_correlation > 0.8
+
+
+def first_token_times(line: Line, requests: list[Request]) -> list[float]:
+    """Step until each request has its first token; when each got it."""
+    first_token: dict[str, float] = {}
+    for _ in range(500):
+        line.step()
+        for request in requests:
+            if request.num_output_tokens and request.request_id not in first_token:
+                first_token[request.request_id] = line.clock.now
+        if len(first_token) == len(requests):
+            return [first_token[r.request_id] for r in requests]
+    raise AssertionError("no first token after 500 steps")
+
+
+def test_a_running_document_leaves_most_of_each_step_to_the_prompts_behind_it() -> None:
+    """First come, first served, with room for every request: three 40-token prompts arriving while a
+    1,000-token document is computed start beside it (its chunk is held to the long-prefill threshold,
+    a quarter of the 256-token budget, while they wait) and get their first tokens long before it."""
+    line = Line("fcfs", max_num_seqs=16)
+    document = line.add(1000, 4)
+    line.step()
+    short = [line.add(40, 4) for _ in range(3)]
+    times = first_token_times(line, [document, *short])
+    assert max(times[1:]) < times[0]
+
+
+def running_prompts(order: str) -> tuple[float, float]:
+    """A tenant's 1,000-token prompt runs; its 300-token prompt arrives and starts beside it: the times of
+    their first tokens."""
+    line = Line(order, max_num_seqs=16)
+    first = line.add(1000, 4)
+    line.step()
+    second = line.add(300, 4)
+    line.step()  # the first's chunk held to the threshold: the second starts in the rest of the step
+    assert second.status is RequestStatus.RUNNING and first.status is RequestStatus.RUNNING
+    first_at, second_at = first_token_times(line, [first, second])
+    return first_at, second_at
+
+
+@pytest.mark.parametrize("order", ["hrrn", "srpt"])
+def test_a_tenants_running_prompts_are_computed_in_its_order(order: str) -> None:
+    """The line never forms where there is room for all, so the order applies to the running prompts
+    too: the shorter prompt, started second, is computed first."""
+    first_at, second_at = running_prompts(order)
+    assert second_at < first_at
+
+
+def test_first_come_first_served_computes_running_prompts_in_the_order_they_started() -> None:
+    first_at, second_at = running_prompts("fcfs")
+    assert first_at < second_at

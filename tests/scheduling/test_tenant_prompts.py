@@ -63,11 +63,12 @@ def tokens_of(plan: StepPlan, requests: list[Request]) -> int:
 
 
 def test_a_neighbours_long_prompts_take_one_step_in_four_of_another_tenants_streams() -> None:
-    """Two light streams decode while the neighbour sends one long prompt after another: three steps in
-    four hold none of them (the streams' median gap is their own), the fourth within the arrival budget,
+    """Two light streams decode while the neighbour, served more, sends one long prompt after another:
+    three steps in four hold none of them (the streams' median gap is their own), the fourth within the arrival budget,
     and the prompts still finish."""
     sim = TwoTenants()
     streams = [sim.add(40, 400, "light") for _ in range(2)]
+    sim.scheduler.vtc[INTERACTIVE].charge("neighbour", 100_000, 0)  # it has had more service than the streams
     shared: list[tuple[int, float]] = []  # per step the streams decode in: the neighbour's tokens, its time
     for _ in range(400):
         sim.keep_a_long_prompt_coming()
@@ -87,6 +88,7 @@ def test_an_arriving_prompt_waits_for_no_long_step_of_another_tenants_prompt() -
     first = sim.add(40, 4, "light")
     while not first.status.is_finished:
         sim.step()  # the light tenant was active a moment ago: it may come back
+    sim.scheduler.vtc[INTERACTIVE].charge("neighbour", 10_000, 0)  # it has had more service
     sim.keep_a_long_prompt_coming()
     steps = [sim.step()[1] for _ in range(5)]
     assert 0 < sim.neighbour_prompts[0].num_computed_tokens < LONG_PROMPT  # in chunks...
@@ -147,3 +149,18 @@ def test_prompts_arriving_in_every_step_do_not_starve_a_long_prompt() -> None:
             break
     assert sim.neighbour_prompts[0].status.is_finished
     assert not stream.status.is_finished
+
+
+def test_the_tenant_served_least_is_not_held_back() -> None:
+    """Both tenants stream and send long prompts: the one whose VTC counter is lower computes its long
+    prompt whole beside the other's streams, the other's waits for its turns. Held back by service, not
+    every tenant's long prompts one step in four."""
+    sim = TwoTenants()
+    streams = [sim.add(40, 400, tenant) for tenant in ("light", "neighbour")]
+    for _ in range(5):
+        sim.step()
+    sim.scheduler.vtc[INTERACTIVE].charge("neighbour", 10_000, 0)
+    served_least, served_more = sim.add(LONG_PROMPT, 1, "light"), sim.add(LONG_PROMPT, 1, "neighbour")
+    plan, _ = sim.step()
+    assert tokens_of(plan, [served_least]) == LONG_PROMPT and tokens_of(plan, [served_more]) == 0
+    assert all(not s.status.is_finished for s in streams)

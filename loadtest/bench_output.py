@@ -16,6 +16,14 @@ def write_report(out: str | None, document: Any) -> None:
         path.write_text(json.dumps(document, indent=2) + "\n")
 
 
+def write_run_report(report: dict[str, Any], out_dir: Path, summary: str) -> str:
+    """A long run's report.json and summary.md in out_dir; the summary, to print."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "report.json").write_text(json.dumps(report, indent=2))
+    (out_dir / "summary.md").write_text(summary, encoding="utf-8")
+    return summary
+
+
 def format_table(rows: Sequence[Sequence[str]]) -> str:
     """A plain fixed-width table; the first row is the header."""
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]

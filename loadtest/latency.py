@@ -18,7 +18,6 @@ and the ratios to the alone phase; it passes when the ratios are within the targ
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 import time
 from collections.abc import Sequence
@@ -28,7 +27,7 @@ from typing import Any
 
 import httpx
 
-from loadtest.bench_output import format_table
+from loadtest.bench_output import format_table, write_run_report
 from loadtest.client import OK, RequestRecord, send_chat, served_model
 from loadtest.stats import percentile
 from loadtest.workload import BATCH, INTERACTIVE, ChatRequest, LoadTenant, prompt_text
@@ -166,8 +165,4 @@ def latency_table(report: dict[str, Any]) -> str:
 
 
 def write_latency_report(report: dict[str, Any], out_dir: Path) -> str:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "report.json").write_text(json.dumps(report, indent=2))
-    summary = latency_table(report)
-    (out_dir / "summary.md").write_text(summary)
-    return summary
+    return write_run_report(report, out_dir, latency_table(report))

@@ -15,7 +15,6 @@ the time both had requests in flight. Run it once per server setting (say `--que
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 import random
 import time
@@ -25,7 +24,7 @@ from typing import Any
 
 import httpx
 
-from loadtest.bench_output import format_table
+from loadtest.bench_output import format_table, write_run_report
 from loadtest.client import OK, RequestRecord, send_chat, served_model
 from loadtest.stats import jain_index, percentile
 from loadtest.workload import INTERACTIVE, ChatRequest, LoadTenant, prompt_text
@@ -205,8 +204,4 @@ def mixed_table(report: dict[str, Any]) -> str:
 
 
 def write_mixed_report(report: dict[str, Any], out_dir: Path) -> str:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "report.json").write_text(json.dumps(report, indent=2))
-    summary = mixed_table(report)
-    (out_dir / "summary.md").write_text(summary)
-    return summary
+    return write_run_report(report, out_dir, mixed_table(report))

@@ -59,7 +59,8 @@ def step_cost_stats(cost: StepCostStats) -> dict[str, Any]:
     return {"predicted_s": cost.predicted_s, "measured_s": cost.measured_s, "median_error": cost.median_error,
             "coefficients": None if cost.coefficients is None else dict(cost.coefficients),
             "shaped_steps": cost.shaped_steps, "batch_tokens_deferred": cost.batch_tokens_deferred,
-            "itl_target_missed_steps": cost.itl_target_missed_steps}
+            "itl_target_missed_steps": cost.itl_target_missed_steps,
+            "long_prompt_tokens_deferred": cost.long_prompt_tokens_deferred}
 
 
 def speculation_stats(stats: SpeculationStats | None) -> dict[str, Any] | None:

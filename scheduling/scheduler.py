@@ -914,4 +914,5 @@ class Scheduler:
         coefficients = None if model.coefficients is None else MappingProxyType(
             {f.name: getattr(model.coefficients, f.name) for f in COEFFICIENT_FIELDS})
         return StepCostStats(model.last_predicted_s, model.last_measured_s, model.median_error, coefficients,
-                             counters.shaped_steps, counters.batch_tokens_deferred, counters.itl_target_missed_steps)
+                             counters.shaped_steps, counters.batch_tokens_deferred, counters.itl_target_missed_steps,
+                             counters.long_prompt_tokens_deferred)

@@ -57,6 +57,7 @@ class StepCostStats:
     shaped_steps: int = 0
     batch_tokens_deferred: int = 0
     itl_target_missed_steps: int = 0  # interactive work alone predicted past its ITL target
+    long_prompt_tokens_deferred: int = 0  # tenants' long prompts' tokens held to their turns
 
 
 @dataclass(slots=True, frozen=True)

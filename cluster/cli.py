@@ -10,7 +10,7 @@ from app.plumbing.private_dirs import prepare_data_dirs
 from app.process.flags import settings_from_args
 from app.process.server import SERVE_FLAG_KEYS, run_serve
 
-CLUSTER_FLAG_KEYS = ("replicas", "ray_address", "cluster_router")
+CLUSTER_FLAG_KEYS = ("replicas", "ray_address", "cluster_router", "prefill_replicas", "decode_replicas")
 ROUTERS = ("prefix_load", "pow2", "prefix_affinity")
 
 
@@ -20,6 +20,10 @@ def extend_serve_command(subparsers: argparse._SubParsersAction[argparse.Argumen
     parser.add_argument("--replicas", type=int,
                         help="engine replicas; more than one serves them on a local Ray instance (Ray Serve)")
     parser.add_argument("--ray-address", help="join this Ray cluster instead of starting a local instance")
+    parser.add_argument("--prefill-replicas", type=int,
+                        help="disaggregated serving: replicas that compute prompts and hand their KV over "
+                             "(with --decode-replicas; --replicas is then unused)")
+    parser.add_argument("--decode-replicas", type=int, help="disaggregated serving: replicas that decode")
     parser.add_argument("--router", dest="cluster_router", choices=ROUTERS,
                         help="how the replicas share requests (default prefix_load: cached prefix, then load)")
     parser.set_defaults(handler=run_serve_or_cluster)
@@ -27,7 +31,7 @@ def extend_serve_command(subparsers: argparse._SubParsersAction[argparse.Argumen
 
 def run_serve_or_cluster(args: argparse.Namespace) -> int:
     settings = settings_from_args(args, (*SERVE_FLAG_KEYS, *CLUSTER_FLAG_KEYS))
-    if settings.replicas == 1 and settings.ray_address is None:
+    if not settings.is_cluster:
         return run_serve(args)
     from cluster.launch import run_cluster  # imports Ray: only for a cluster
 

@@ -29,7 +29,8 @@ REPORT_MAX_AGE_INTERVALS = 30
 
 @serve.ingress()
 class OpenAIIngress:
-    async def __init__(self, settings: Settings, replicas: Any, board: Any) -> None:  # type: ignore[misc]  # Serve awaits it
+    async def __init__(self, settings: Settings, replicas: Any, board: Any,  # type: ignore[misc]  # Serve awaits it
+                       prefill: Any = None) -> None:
         bind_replica_grpc_to_node_address()
         description: ReplicaDescription = await replicas.describe.remote()
 
@@ -41,7 +42,9 @@ class OpenAIIngress:
                                max_queued_requests=settings.max_queued_requests,
                                batch_queue_fraction=settings.batch_queue_fraction,
                                stall_after_s=settings.engine_stall_s,
-                               report_max_age_s=max(2.0, REPORT_MAX_AGE_INTERVALS * settings.vtc_sync_interval_s))
+                               report_max_age_s=max(2.0, REPORT_MAX_AGE_INTERVALS * settings.vtc_sync_interval_s),
+                               prefill=None if prefill is None else prefill.options(stream=True, method_name="prefill"),
+                               min_handoff_prompt_tokens=settings.disaggregation_min_prompt_tokens)
         self.context = ServingContext(settings, engine, description.tokenizer,
                                       replica_snapshots=engine.replica_snapshots)
 

@@ -27,7 +27,7 @@ from cluster import proxy_limits
 from cluster.addresses import log_joined_cluster_addresses
 from cluster.ingress import OpenAIIngress
 from cluster.placement import gpu_share
-from cluster.replica import EngineReplica
+from cluster.replica import EngineReplica, ReplicaRole
 from cluster.service import ClusterBoard
 from config.settings import Settings
 from tenancy.tenants import load_tenants
@@ -73,6 +73,10 @@ def with_absolute_paths(settings: Settings) -> Settings:
                               "batch_db_path": str(Path(settings.batch_db_path).resolve())}
     if settings.tenants_file is not None:
         update["tenants_file"] = str(Path(settings.tenants_file).resolve())
+    if settings.kv_handoff_path is not None:
+        update["kv_handoff_path"] = str(Path(settings.kv_handoff_path).resolve())
+    if settings.kv_disk_cache_path is not None:
+        update["kv_disk_cache_path"] = str(Path(settings.kv_disk_cache_path).resolve())
     if Path(settings.model).exists():
         update["model"] = str(Path(settings.model).resolve())
     return settings.model_copy(update=update)
@@ -108,21 +112,33 @@ def router_config(settings: Settings) -> RequestRouterConfig:
     return RequestRouterConfig(**config)
 
 
-def build_application(settings: Settings) -> Any:
-    """The Serve application: the ingress bound to the replicas and the board."""
-    board = ray.remote(ClusterBoard).options(num_cpus=0).remote()
-    gpus = gpu_share(ray.cluster_resources().get("GPU", 0), settings.replicas, settings.device)
-    replicas = serve.deployment(
-        name="engine", num_replicas=settings.replicas,
-        ray_actor_options={"num_cpus": 0, "num_gpus": gpus},
+def engine_deployment(settings: Settings, name: str, num_replicas: int, num_gpus: float, board: Any,
+                      role: ReplicaRole) -> Any:
+    return serve.deployment(
+        name=name, num_replicas=num_replicas,
+        ray_actor_options={"num_cpus": 0, "num_gpus": num_gpus},
         max_ongoing_requests=settings.max_queued_requests, health_check_period_s=HEALTH_CHECK_PERIOD_S,
         graceful_shutdown_timeout_s=GRACEFUL_SHUTDOWN_S,
         request_router_config=router_config(settings),
-    )(EngineReplica).bind(settings, board)
+    )(EngineReplica).bind(settings.for_role(role), board, role)
+
+
+def build_application(settings: Settings) -> Any:
+    """The Serve application: the ingress bound to the replicas and the board. Disaggregated, the
+    "engine" deployment holds the decode replicas and a "prefill" deployment the prefill replicas."""
+    board = ray.remote(ClusterBoard).options(num_cpus=0).remote()
     ingress = serve.deployment(name="ingress", num_replicas=1, ray_actor_options={"num_cpus": 0},
                                max_ongoing_requests=settings.max_connections,
                                graceful_shutdown_timeout_s=GRACEFUL_SHUTDOWN_S)(OpenAIIngress)
-    return ingress.bind(settings, replicas, board)
+    visible_gpus = ray.cluster_resources().get("GPU", 0)
+    if not settings.is_disaggregated:
+        gpus = gpu_share(visible_gpus, settings.replicas, settings.device)
+        engines = engine_deployment(settings, "engine", settings.replicas, gpus, board, "colocated")
+        return ingress.bind(settings, engines, board)
+    gpus = gpu_share(visible_gpus, settings.prefill_replicas + settings.decode_replicas, settings.device)
+    decode = engine_deployment(settings, "engine", settings.decode_replicas, gpus, board, "decode")
+    prefill = engine_deployment(settings, "prefill", settings.prefill_replicas, gpus, board, "prefill")
+    return ingress.bind(settings, decode, board, prefill)
 
 
 def start_cluster(settings: Settings) -> RunningCluster:
@@ -153,7 +169,11 @@ def run_cluster(settings: Settings) -> int:
     # After Ray's start: ray.init installs a SIGTERM handler of its own for the driver.
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    logger.info("serving %d replicas of %s at %s", settings.replicas, settings.model, cluster.url)
+    if settings.is_disaggregated:
+        logger.info("serving %s disaggregated, %d prefill and %d decode replicas, at %s", settings.model,
+                    settings.prefill_replicas, settings.decode_replicas, cluster.url)
+    else:
+        logger.info("serving %d replicas of %s at %s", settings.replicas, settings.model, cluster.url)
     try:
         stop.wait()
     finally:

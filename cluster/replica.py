@@ -14,50 +14,54 @@ import logging
 import os
 import time
 from collections.abc import AsyncGenerator
-from dataclasses import replace
-from typing import Any
+from dataclasses import asdict
+from typing import Any, Literal
 
 from ray import serve
 
 from cluster.addresses import bind_replica_grpc_to_node_address
+from cluster.replica_calls import ReplicaCalls
 from cluster.service import ServiceMeter
-from cluster.wire import ReplicaCall, ReplicaDescription, ReplicaReport, ended_event
+from cluster.wire import HandoffNote, ReplicaCall, ReplicaDescription, ReplicaReport
 from config.settings import Settings
 from contract.plan import StructuredOutput
-from scheduling.engine import EngineOverloaded, EngineStopped
 from scheduling.request import TokenEvent
-from scheduling.scheduler import AdmissionError
 
 logger = logging.getLogger(__name__)
 
+ReplicaRole = Literal["colocated", "prefill", "decode"]
+
 
 class EngineReplica:
-    async def __init__(self, settings: Settings, board: Any) -> None:  # type: ignore[misc]  # Serve awaits it
+    async def __init__(self, settings: Settings, board: Any, role: ReplicaRole = "colocated") -> None:  # type: ignore[misc]  # Serve awaits it
         self._settings = settings
         self._board = board  # the ClusterBoard actor's handle
+        self.role = role
         bind_replica_grpc_to_node_address()
         from app.process.engine_factory import build_engine  # imports torch: in the replicas' processes only
+        from cluster.handoff_runner import block_reader, open_publisher
 
         self.engine, runner = build_engine(settings)
         self._runner = runner
         self.replica_id: str = serve.get_replica_context().replica_id.unique_id
+        handoff_root = settings.kv_handoff_path or ""  # set whenever a cluster has roles (Settings checks)
+        publisher = (open_publisher(runner, handoff_root, self.replica_id, settings.kv_handoff_bytes)
+                     if role == "prefill" else None)
+        read_blocks = block_reader(runner, handoff_root) if role == "decode" else None
+        self.calls = ReplicaCalls(self.engine, self.replica_id, publisher, read_blocks)
         self._meter = ServiceMeter(self.engine.scheduler)
         await self.engine.start()
         self._sync_task = asyncio.create_task(self._sync_forever(), name="fairlane-board-sync")
 
-    async def generate(self, call: ReplicaCall) -> AsyncGenerator[list[TokenEvent], None]:
-        """The request's events, in batches: whatever is ready when the ingress reads goes as one item."""
-        try:
-            stream = self.engine.submit(replace(call.request, arrival_time=time.monotonic(),
-                                                prompt_block_hashes=call.block_hashes))  # hashed once
-        except (EngineOverloaded, EngineStopped, AdmissionError) as exc:
-            yield [ended_event(call.request, None, "error", f"replica {self.replica_id} refused the request: {exc}")]
-            return
-        try:
-            async for event in stream:
-                yield [event, *stream.take_ready()]
-        finally:
-            stream.close()  # a no-op after the last event; an abort when the ingress cancelled the call
+    async def prefill(self, call: ReplicaCall) -> AsyncGenerator[list[TokenEvent] | HandoffNote, None]:
+        """A prefill replica's part of a request (cluster.replica_calls.ReplicaCalls.prefill)."""
+        async for item in self.calls.prefill(call):
+            yield item
+
+    async def generate(self, call: ReplicaCall) -> AsyncGenerator[list[TokenEvent] | HandoffNote, None]:
+        """The request's events (cluster.replica_calls.ReplicaCalls.generate)."""
+        async for item in self.calls.generate(call):
+            yield item
 
     def describe(self) -> ReplicaDescription:
         return ReplicaDescription(self.replica_id, self._runner.loaded.tokenizer, self._runner.geometry,
@@ -80,7 +84,8 @@ class EngineReplica:
                 "waiting": snapshot.waiting, "running": snapshot.running}
 
     def stats(self) -> dict[str, Any]:
-        return {"replica_id": self.replica_id, "pid": os.getpid(), **self.engine.stats()}
+        return {"replica_id": self.replica_id, "role": self.role, "pid": os.getpid(), **self.engine.stats(),
+                "handoff": asdict(self.calls.handoff)}
 
     async def _sync_forever(self) -> None:
         while True:

@@ -23,12 +23,26 @@ class ReplicaCall:
 
     request: Request  # never stepped here: the replica's scheduler owns its copy
     block_hashes: tuple[bytes, ...]  # the prompt's salted hash chain of full blocks, as the replica computes it
+    # Disaggregated serving (cluster/handoff.py): where a prefill replica published the prompt's blocks,
+    # for the decode replica to receive before it admits the request. None: nothing to receive.
+    handoff_location: str | None = None
 
     @property
     def prompt(self) -> str:
         """The prompt for Ray's PrefixCacheAffinityRouter, which matches character prefixes: one character
         per token, so its prefixes are token prefixes (it knows nothing of the salt)."""
         return "".join(map(chr, self.request.prompt_token_ids))
+
+
+@dataclass(slots=True, frozen=True)
+class HandoffNote:
+    """A replica's word on a KV hand-off, after a request's events: from a prefill replica, whether (and
+    where) the prompt's blocks were published; from a decode replica, first, how many it received."""
+
+    location: str | None  # the publisher's location; None when nothing could be published
+    num_blocks: int  # blocks published, or received
+    seconds: float  # waiting for the writes, or reading them
+    num_missed: int = 0  # received: blocks it held room for and could not read (recomputed)
 
 
 def replica_call(request: Request, block_size: int) -> ReplicaCall:

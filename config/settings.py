@@ -112,6 +112,10 @@ class Settings(BaseModel):
     kv_disk_cache_path: str | None = None
     kv_disk_cache_bytes: int = Field(default=8 * 1024 * MiB, ge=1)
 
+    # Threads of torch's CPU kernels in this process (None: torch's default, one per core). Replicas that
+    # share one machine's cores take a share each.
+    torch_threads: int | None = Field(default=None, ge=1)
+
     # Scheduling.
     max_num_seqs: int = Field(default=64, ge=1)
     max_num_batched_tokens: int = Field(default=512, ge=1)
@@ -224,6 +228,20 @@ class Settings(BaseModel):
     cluster_stats_period_s: float = Field(default=0.5, gt=0)  # how often replicas report load to the router
     share_vtc: bool = True  # fold the other replicas' service into each replica's VTC counters
     vtc_sync_interval_s: float = Field(default=0.1, gt=0)  # how often replicas exchange per-tenant service
+    # Disaggregated serving (cluster/handoff.py): prompts on prefill replicas, decodes on decode replicas,
+    # the prompt's KV handed over through files under kv_handoff_path (one folder per prefill replica, up to
+    # kv_handoff_bytes each). Both 0: every replica does both (colocated, `replicas` of them).
+    prefill_replicas: int = Field(default=0, ge=0)
+    decode_replicas: int = Field(default=0, ge=0)
+    kv_handoff_path: str | None = "./data/kv-handoff"
+    kv_handoff_bytes: int = Field(default=2 * 1024 * MiB, ge=1)
+    # A decode replica receives blocks into its prefix cache's host tier: this much when kv_host_cache_bytes
+    # gives it none.
+    kv_handoff_host_cache_bytes: int = Field(default=512 * MiB, ge=1)
+    # Prompts shorter than this run whole on a decode replica (conditional disaggregation, as NVIDIA
+    # Dynamo's router does): their prefill costs a decode step little, and queued behind long prompts on
+    # a prefill replica their first token would wait (`fairlane bench cluster --disaggregated`).
+    disaggregation_min_prompt_tokens: int = Field(default=512, ge=0)
 
     @field_validator("speculative_config", mode="before")
     @classmethod
@@ -252,6 +270,31 @@ class Settings(BaseModel):
             raise ValueError("lora_modules and [[adapters]] need enable_lora")
         if self.kv_disk_cache_path is not None and not self.kv_host_cache_bytes:
             raise ValueError("kv_disk_cache_path needs kv_host_cache_bytes: blocks reach the disk through host memory")
+        self._check_disaggregation()
+        return self
+
+    def _check_disaggregation(self) -> None:
+        if bool(self.prefill_replicas) != bool(self.decode_replicas):
+            raise ValueError("prefill_replicas and decode_replicas go together: at least one of each, or neither")
+        if self.prefill_replicas and not self.enable_prefix_caching:
+            raise ValueError("prefill_replicas needs enable_prefix_caching: the decode replica admits the handed-off "
+                             "blocks as a prefix-cache hit")
+        if self.prefill_replicas and self.kv_handoff_path is None:
+            raise ValueError("prefill_replicas needs kv_handoff_path, a folder both roles reach")
+
+    @property
+    def is_disaggregated(self) -> bool:
+        return self.prefill_replicas > 0
+
+    @property
+    def is_cluster(self) -> bool:
+        """Whether serving runs on Ray (cluster/) rather than in this one process."""
+        return self.replicas > 1 or self.ray_address is not None or self.is_disaggregated
+
+    def for_role(self, role: str) -> Settings:
+        """A replica's settings: a decode replica of a disaggregated cluster gets a host tier to receive into."""
+        if role == "decode" and not self.kv_host_cache_bytes:
+            return self.model_copy(update={"kv_host_cache_bytes": self.kv_handoff_host_cache_bytes})
         return self
 
     @property

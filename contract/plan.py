@@ -139,6 +139,9 @@ class StepPlan:
     lora_loads: list[tuple[int, LoraRef]] = field(default_factory=list)
     # The prefix cache's lower tiers (host memory, disk): copies made before everything else of the step.
     tier_copies: TierCopies = field(default_factory=TierCopies)
+    # Disaggregated serving (cluster/handoff.py): (block hashes, device blocks) of prompts whose last chunk
+    # runs in this step, for the runner to publish to the KV hand-off store after the forward.
+    publishes: list[tuple[tuple[bytes, ...], tuple[int, ...]]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

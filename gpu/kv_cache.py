@@ -86,6 +86,10 @@ class PagedKVCache:
         dims = (shape.num_layers, 2, num_blocks, shape.num_kv_heads, shape.block_size, shape.head_dim)
         return zeroed_pool(dims, shape.dtype, device, pinned)  # head-major blocks: see gpu.attention
 
+    def device_block(self, block: int) -> torch.Tensor:
+        """One device block, all layers: a `[layers, 2, kv_heads, block_size, head_dim]` view."""
+        return self.device_pool[:, :, block]
+
     def host_block(self, block: int) -> torch.Tensor:
         """One block of the host tier, all layers: a `[layers, 2, kv_heads, block_size, head_dim]` view."""
         return self.host_pool[:, :, block]

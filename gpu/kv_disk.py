@@ -145,6 +145,88 @@ def _check_hash(block_hash: bytes) -> None:
         raise ValueError(f"a block hash is {_HASH_NBYTES} bytes, got {len(block_hash)}")
 
 
+class BlockFiles:
+    """One configuration's folder of block files: names keyed by its key, headers, and verified reads.
+    The disk tier writes through it; a reader of another process's folder (the KV hand-off between
+    replicas, cluster/handoff.py) only reads. Reads may come from any thread, one at a time."""
+
+    def __init__(self, folder: Path, key: bytes, digest: bytes, block_shape: tuple[int, ...],
+                 dtype: torch.dtype) -> None:
+        self.folder = folder
+        self.block_shape = tuple(block_shape)
+        self.dtype = dtype
+        self._key = key
+        self._digest = digest
+        self.block_nbytes = math.prod(self.block_shape) * torch.empty((), dtype=dtype).element_size()
+        self.file_nbytes = _HEADER.size + self.block_nbytes
+        # One staging buffer for every read (header and payload in one `readinto`), viewed as the block.
+        self._staging = torch.empty(self.file_nbytes, dtype=torch.uint8)
+        self._staging_bytes = self._staging.numpy().data
+        self._staged_block = self._staging[_HEADER.size:].view(dtype).view(self.block_shape)
+        self._read_lock = threading.Lock()
+
+    def path_of(self, block_hash: bytes) -> Path:
+        """Where a block's file is (or would be): named by a keyed hash, so the name reveals nothing."""
+        return self.folder / hashlib.blake2b(block_hash, key=self._key, digest_size=32).hexdigest()
+
+    def header(self, block_hash: bytes, payload: memoryview) -> bytes:
+        return _HEADER.pack(_MAGIC, FORMAT_VERSION, self._digest, block_hash, self.block_nbytes, zlib.crc32(payload))
+
+    def check_header(self, header: bytes | memoryview, name: str) -> tuple[bytes, int]:
+        """The header's block hash and payload checksum, if it belongs under this name in this folder."""
+        magic, version, digest, block_hash, payload_nbytes, checksum = _HEADER.unpack_from(header)
+        if magic != _MAGIC or version != FORMAT_VERSION:
+            raise _BadBlockFile("not a block file of this format")
+        if digest != self._digest or payload_nbytes != self.block_nbytes:
+            raise _BadBlockFile("a block of another configuration")
+        if self.path_of(block_hash).name != name:
+            raise _BadBlockFile("a block under another block's name")
+        return block_hash, checksum
+
+    def read_into(self, block_hash: bytes, out: torch.Tensor) -> bool:
+        """Copy the block's file into `out` once verified; False (and a bad file removed) otherwise."""
+        with self._read_lock:
+            try:
+                self._read_file(block_hash)
+            except (OSError, _BadBlockFile) as error:
+                logger.debug("KV block file rejected: %s", error)
+                _remove(self.path_of(block_hash))
+                return False
+            out.copy_(self._staged_block)
+        return True
+
+    def _read_file(self, block_hash: bytes) -> None:
+        """Read and verify a block's file into the staging buffer."""
+        path = self.path_of(block_hash)
+        with open(os.open(path, _READ_FLAGS), "rb", buffering=0, closefd=True) as file:
+            if os.fstat(file.fileno()).st_size != self.file_nbytes:
+                raise _BadBlockFile("truncated or overlong")
+            filled = 0
+            while filled < self.file_nbytes:
+                count = file.readinto(self._staging_bytes[filled:])
+                if not count:
+                    raise _BadBlockFile("short read")
+                filled += count
+        _, checksum = self.check_header(self._staging_bytes, path.name)
+        if zlib.crc32(self._staging_bytes[_HEADER.size:]) != checksum:
+            raise _BadBlockFile("payload checksum mismatch")
+
+
+def open_block_files(root: str | Path, config: Mapping[str, str | int], block_shape: tuple[int, ...],
+                     dtype: torch.dtype) -> BlockFiles | None:
+    """A reader of the block files another store keeps under root for this configuration; None when that
+    store has not made its folder (or key) yet. It never creates or trims anything."""
+    digest = config_digest(config, tuple(block_shape), dtype)
+    folder = Path(root) / digest.hex()
+    try:
+        key = (folder / _KEY_NAME).read_bytes()
+    except OSError:
+        return None
+    if len(key) != _KEY_NBYTES:
+        return None
+    return BlockFiles(folder, key, digest, tuple(block_shape), dtype)
+
+
 class DiskBlockStore:
     """Full KV blocks kept as files, one per block hash, in a folder private to this configuration.
 
@@ -157,20 +239,15 @@ class DiskBlockStore:
             raise ValueError("capacity_bytes and max_pending_bytes must not be negative")
         self.block_shape = tuple(block_shape)
         self.dtype = dtype
-        self._block_nbytes = math.prod(self.block_shape) * torch.empty((), dtype=dtype).element_size()
-        self._file_nbytes = _HEADER.size + self._block_nbytes
+        digest = config_digest(config, self.block_shape, dtype)
+        self.folder = self._open_folder(Path(root), digest)
+        self.files = BlockFiles(self.folder, _load_or_create_key(self.folder), digest, self.block_shape, dtype)
+        self._block_nbytes = self.files.block_nbytes
+        self._file_nbytes = self.files.file_nbytes
         self._capacity_blocks = capacity_bytes // self._file_nbytes
         self._max_pending_bytes = max_pending_bytes
-        self._config_digest = config_digest(config, self.block_shape, dtype)
-        self.folder = self._open_folder(Path(root))
-        self._key = _load_or_create_key(self.folder)
         self.stats = DiskStoreStats()
         self._stored = self._scan()
-        # One staging buffer for every read (header and payload in one `readinto`), viewed as the block.
-        self._staging = torch.empty(self._file_nbytes, dtype=torch.uint8)
-        self._staging_bytes = self._staging.numpy().data
-        self._staged_block = self._staging[_HEADER.size:].view(dtype).view(self.block_shape)
-        self._read_lock = threading.Lock()
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)  # the queue changed, or an operation finished
         self._queue: deque[_Op] = deque()
@@ -214,7 +291,7 @@ class DiskBlockStore:
 
     def path_of(self, block_hash: bytes) -> Path:
         """Where a block's file is (or would be): named by a keyed hash, so the name reveals nothing."""
-        return self.folder / hashlib.blake2b(block_hash, key=self._key, digest_size=32).hexdigest()
+        return self.files.path_of(block_hash)
 
     def write(self, block_hash: bytes, block: torch.Tensor, lent_slot: int | None = None) -> None:
         """Queue a write of `block`. Never waits on the disk: a write that comes after writes stopped,
@@ -277,17 +354,9 @@ class DiskBlockStore:
             queued = self._latest.get(block_hash)
         if queued is not None:
             return self._read_queued(queued, out)
-        with self._read_lock:
-            try:
-                self._read_file(block_hash)
-            except (OSError, _BadBlockFile) as error:
-                logger.debug("disk KV cache: block file rejected: %s", error)
-                _remove(self.path_of(block_hash))
-                self._count_read(ok=False)
-                return False
-            out.copy_(self._staged_block)
-        self._count_read(ok=True)
-        return True
+        found = self.files.read_into(block_hash, out)
+        self._count_read(ok=found)
+        return found
 
     def take_lost(self) -> list[bytes]:
         """The hashes whose writes were dropped or failed since the last call."""
@@ -299,6 +368,12 @@ class DiskBlockStore:
         """Wait until every queued write and delete is done; False if the timeout came first."""
         with self._changed:
             return self._changed.wait_for(lambda: not self._latest, timeout_s)
+
+    def wait_written(self, hashes: Iterable[bytes], timeout_s: float) -> bool:
+        """Wait until the writes (and deletes) queued for these hashes are done; False at the timeout."""
+        wanted = set(hashes)
+        with self._changed:
+            return self._changed.wait_for(lambda: wanted.isdisjoint(self._latest), timeout_s)
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Finish the queued writes (up to the timeout) and stop the writer; idempotent. Writes still
@@ -313,9 +388,9 @@ class DiskBlockStore:
 
     # The start-up scan.
 
-    def _open_folder(self, root: Path) -> Path:
+    def _open_folder(self, root: Path, digest: bytes) -> Path:
         _create_root(root)
-        folder = root / self._config_digest.hex()
+        folder = root / digest.hex()
         folder.mkdir(mode=_FOLDER_MODE, exist_ok=True)
         os.chmod(folder, _FOLDER_MODE)
         return folder
@@ -354,7 +429,7 @@ class DiskBlockStore:
                 os.close(fd)
             if status.st_size != self._file_nbytes or len(header) != _HEADER.size:
                 raise _BadBlockFile("truncated or overlong")
-            block_hash, _ = self._check_header(header, name)
+            block_hash, _ = self.files.check_header(header, name)
         except (OSError, _BadBlockFile):
             return None
         return status.st_mtime_ns, block_hash
@@ -363,39 +438,12 @@ class DiskBlockStore:
         _remove(path)
         self.stats.removed_at_scan += 1
 
-    def _check_header(self, header: bytes | memoryview, name: str) -> tuple[bytes, int]:
-        """The header's block hash and payload checksum, if it belongs under this name in this folder."""
-        magic, version, digest, block_hash, payload_nbytes, checksum = _HEADER.unpack_from(header)
-        if magic != _MAGIC or version != FORMAT_VERSION:
-            raise _BadBlockFile("not a block file of this format")
-        if digest != self._config_digest or payload_nbytes != self._block_nbytes:
-            raise _BadBlockFile("a block of another configuration")
-        if self.path_of(block_hash).name != name:
-            raise _BadBlockFile("a block under another block's name")
-        return block_hash, checksum
-
     # Reads.
 
     def _check_block(self, block: torch.Tensor) -> None:
         if tuple(block.shape) != self.block_shape or block.dtype != self.dtype:
             raise ValueError(f"expected a {self.dtype} block of shape {self.block_shape}, "
                              f"got {block.dtype} {tuple(block.shape)}")
-
-    def _read_file(self, block_hash: bytes) -> None:
-        """Read and verify a block's file into the staging buffer."""
-        path = self.path_of(block_hash)
-        with open(os.open(path, _READ_FLAGS), "rb", buffering=0, closefd=True) as file:
-            if os.fstat(file.fileno()).st_size != self._file_nbytes:
-                raise _BadBlockFile("truncated or overlong")
-            filled = 0
-            while filled < self._file_nbytes:
-                count = file.readinto(self._staging_bytes[filled:])
-                if not count:
-                    raise _BadBlockFile("short read")
-                filled += count
-        _, checksum = self._check_header(self._staging_bytes, path.name)
-        if zlib.crc32(self._staging_bytes[_HEADER.size:]) != checksum:
-            raise _BadBlockFile("payload checksum mismatch")
 
     def _read_queued(self, queued: _Op, out: torch.Tensor) -> bool:
         # Lent memory is still the caller's (only the caller reclaims it), and a copy is never changed.
@@ -479,8 +527,7 @@ class DiskBlockStore:
                 self._drop(block_hash)
             return
         payload = block.view(-1).view(torch.uint8).numpy().data
-        header = _HEADER.pack(_MAGIC, FORMAT_VERSION, self._config_digest, block_hash, self._block_nbytes,
-                              zlib.crc32(payload))
+        header = self.files.header(block_hash, payload)
         try:
             _write_file(self.path_of(block_hash), header, payload)
         except OSError as error:

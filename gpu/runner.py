@@ -28,6 +28,7 @@ from gpu.compiled import (
 from gpu.draft import DraftProposer
 from gpu.kv_cache import KVShape, PagedKVCache
 from gpu.kv_disk import DiskBlockStore
+from gpu.kv_handoff import KVPublisher
 from gpu.lora import LoraRows, LoraRuntime, LoraServing
 from gpu.models import LoadedModel
 from gpu.prompt_logprobs import prompt_logprobs, prompt_rows
@@ -105,6 +106,7 @@ class ModelRunner:
                                   budget.swap_space_bytes // shape.bytes_per_block, self.device,
                                   budget.host_cache_bytes // shape.bytes_per_block)
         self.disk = self._disk_tier(budget, shape, max_len)
+        self.publisher: KVPublisher | None = None  # a prefill replica's KV hand-off (gpu/kv_handoff.py)
         logger.info("KV pool: %d blocks of %d tokens, %d tokens in all (%.0f MiB of %s)",
                     self.cache.num_device_blocks, budget.block_size, self.cache.num_device_blocks * budget.block_size,
                     self.cache.num_device_blocks * shape.bytes_per_block / 2**20, shape.dtype)
@@ -143,17 +145,31 @@ class ModelRunner:
         the same weights (name, dtype, quantization) and the same KV layout."""
         if budget.disk_cache_path is None or not self.cache.num_host_blocks:
             return None
+        store = DiskBlockStore(budget.disk_cache_path, self.block_file_config(), self.block_file_shape(),
+                               shape.dtype, budget.disk_cache_bytes)
+        logger.info("prefix cache on disk: %s, %d blocks found, room for %d", budget.disk_cache_path,
+                    len(store.stored()), store.capacity_blocks)
+        return store
+
+    def block_file_config(self) -> dict[str, str | int]:
+        """What makes a block file valid: the same weights (name, dtype, quantization) and KV layout."""
+        shape = self.cache.shape
         config: dict[str, str | int] = {
             "model": self.loaded.name, "dtype": str(shape.dtype), "quantization": self.loaded.quantization,
             "block_size": shape.block_size, "layers": shape.num_layers, "kv_heads": shape.num_kv_heads,
             "head_dim": shape.head_dim, "vocab_size": int(self.model.config.vocab_size)}
         if shape.dtype != self.loaded.dtype:  # values computed in one dtype, kept in another
             config["model_dtype"] = str(self.loaded.dtype)
-        block_shape = tuple(self.cache.host_block(0).shape)
-        store = DiskBlockStore(budget.disk_cache_path, config, block_shape, shape.dtype, budget.disk_cache_bytes)
-        logger.info("prefix cache on disk: %s, %d blocks found, room for %d", budget.disk_cache_path,
-                    len(store.stored()), store.capacity_blocks)
-        return store
+        return config
+
+    def block_file_shape(self) -> tuple[int, ...]:
+        """One block, all layers, as the host tier and block files hold it."""
+        shape = self.cache.shape
+        return (shape.num_layers, 2, shape.num_kv_heads, shape.block_size, shape.head_dim)
+
+    def publish_to(self, publisher: KVPublisher) -> None:
+        """Publish the prompts that plans mark (StepPlan.publishes) through this publisher: a prefill replica."""
+        self.publisher = publisher
 
     def close(self) -> None:
         """Finish the disk tier's queued writes (a restart finds them); stop a background compilation."""
@@ -161,6 +177,8 @@ class ModelRunner:
             self.background.close()
         if self.disk is not None:
             self.disk.close()
+        if self.publisher is not None:
+            self.publisher.close()
 
     def start_compiling(self) -> None:
         """Start the background compilation, if this runner has one (once the server is up)."""
@@ -284,6 +302,9 @@ class ModelRunner:
             tokens, result.logprobs = self.sampler.sample_step(logits, sampling, masks)
             self.matchers.advance(sampling, tokens)
             result.sampled_token_ids = {s.request_id: t for s, t in zip(sampling, tokens, strict=True)}
+        if plan.publishes and self.publisher is not None:  # after the forward: the last chunk's KV is written
+            for hashes, blocks in plan.publishes:
+                self.publisher.publish([(h, self.cache.device_block(b)) for h, b in zip(hashes, blocks, strict=True)])
         if self.draft is not None:
             result.proposals = self.draft.propose(
                 [(seq.request_id, [*seq.prompt_token_ids, *seq.output_token_ids, *result.tokens_of(seq.request_id)],

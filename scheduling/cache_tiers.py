@@ -50,6 +50,9 @@ class TierIndex:
         self._free_slots = list(range(capacity - 1, -1, -1)) if has_slots else []
         self._has_slots = has_slots
         self._busy: set[bytes] = set()
+        # Entries being filled from outside the steps (a decode replica's KV hand-off, cluster/handoff.py):
+        # never evicted, and not found, until released.
+        self.held: set[bytes] = set()
         self._pin_owner = pin_owner or (lambda _: None)
         self.counters = TierCounters()
 
@@ -102,7 +105,7 @@ class TierIndex:
         num_kept = 0
         kept_by: Counter[str] = Counter()
         for block_hash in self._entries:
-            if block_hash in self._busy:
+            if block_hash in self._busy or block_hash in self.held:
                 continue
             owner = self._pin_owner(block_hash)
             if owner is None or num_kept >= self.max_kept_by_pins or kept_by[owner] >= self.max_kept_by_tenant_pins:
@@ -162,7 +165,7 @@ class LowerTiers:
         read may fail, and copied up in the same step it would be served unread."""
         host_blocks: list[int] = []
         index = 0
-        while (index < len(chain) and chain[index] not in self._being_read
+        while (index < len(chain) and chain[index] not in self._being_read and chain[index] not in self.host.held
                and (slot := self.host.slot(chain[index])) is not None):
             host_blocks.append(slot)
             index += 1
@@ -206,6 +209,30 @@ class LowerTiers:
             self._being_read.add(block_hash)
             planned += 1
         return planned
+
+    def hold_for_import(self, hashes: Iterable[bytes]) -> list[tuple[bytes, int]]:
+        """Host blocks for blocks that arrive from outside the steps (another replica's prefill): each
+        hash not in host memory yet gets a slot, held (neither found nor evicted) until `release_imports`.
+        Stops at the first hash no slot can be made for; (hash, host block) pairs for the caller to fill."""
+        held: list[tuple[bytes, int]] = []
+        for block_hash in hashes:
+            if block_hash in self.host:
+                continue
+            placed = self.host.insert(block_hash)
+            if placed is None:
+                break
+            self.host.held.add(block_hash)
+            held.append((block_hash, placed[0]))
+        return held
+
+    def release_imports(self, filled: Iterable[bytes], failed: Iterable[bytes]) -> None:
+        """Held host blocks filled (found from now on) or not (dropped)."""
+        for block_hash in filled:
+            self.host.held.discard(block_hash)
+        for block_hash in failed:
+            self.host.held.discard(block_hash)
+            self.host.remove(block_hash)
+            self.host.counters.writes -= 1
 
     def lost(self, hashes: Iterable[bytes]) -> None:
         """Disk blocks the runner could not write or read: no longer on disk, nor (if read into) in host."""

@@ -15,7 +15,7 @@ import logging
 import math
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -348,6 +348,10 @@ class Engine(EngineFront):
         self._incoming: list[Request] = []
         self._to_finish: list[tuple[RequestId, RequestStatus]] = []
         self._to_fold: list[Mapping[str, Mapping[str, float]]] = []
+        # The KV hand-off of disaggregated serving (cluster/handoff.py): host blocks to hold for blocks
+        # another replica computed, and those filled (or not), applied before the requests that follow.
+        self._to_hold: list[tuple[tuple[bytes, ...], asyncio.Future[list[tuple[bytes, int]]]]] = []
+        self._to_release: list[tuple[list[bytes], list[bytes]]] = []
         self._wake = asyncio.Event()
         self._command_arrived = asyncio.Event()  # set with each command; cleared as a step applies them
         # The one thread that runs the executor's steps; the engine owns it from here on. A real runner
@@ -385,6 +389,20 @@ class Engine(EngineFront):
         """Service other replicas gave, per class name and tenant, for this engine's VTC counters
         (`Scheduler.fold_service`); applied by the engine's task before its next step."""
         self._to_fold.append(service)
+        self._command()
+
+    async def hold_for_import(self, chain: Sequence[bytes]) -> list[tuple[bytes, int]]:
+        """Host blocks to fill with the blocks of a prompt's hash chain that another replica computed
+        (`Scheduler.hold_for_import`), held by the engine's task between two steps; fill them, then
+        `release_imports`. Empty without a host tier, or when the engine stops first."""
+        future: asyncio.Future[list[tuple[bytes, int]]] = asyncio.get_running_loop().create_future()
+        self._to_hold.append((tuple(chain), future))
+        self._command()
+        return await future
+
+    def release_imports(self, filled: Sequence[bytes], failed: Sequence[bytes]) -> None:
+        """Held host blocks filled (a request submitted after this finds them) or not (dropped)."""
+        self._to_release.append((list(filled), list(failed)))
         self._command()
 
     async def shutdown(self, message: str = "the server is shutting down") -> None:
@@ -532,6 +550,13 @@ class Engine(EngineFront):
                 await self._command_arrived.wait()
 
     def _apply_commands(self) -> None:
+        to_hold, self._to_hold = self._to_hold, []
+        for chain, future in to_hold:
+            if not future.done():
+                future.set_result(self.scheduler.hold_for_import(chain))
+        to_release, self._to_release = self._to_release, []
+        for filled, failed in to_release:
+            self.scheduler.release_imports(filled, failed)
         incoming, self._incoming = self._incoming, []
         for request in incoming:
             self.scheduler.add_request(request)

@@ -102,6 +102,12 @@ class Request:
     predicted_output_tokens: int = 0  # set by the scheduler when the request arrives (output_lengths.py)
     itl_target_s: float | None = None  # its tenant's ITL target: steps it runs in are shaped to it
     adapter: LoraRef | None = None  # the LoRA adapter the request runs on; None for the base model
+    # On a prefill replica (cluster/handoff.py): once its prompt is computed, the runner publishes the
+    # prompt's full blocks for a decode replica to continue from.
+    publish_kv: bool = False
+    # At a disaggregated cluster's ingress: (seconds the prefill replica waited for its blocks' writes,
+    # seconds the decode replica spent receiving them), for the request's trace.
+    kv_handoff_s: tuple[float, float] | None = None
     lora_slot: int = BASE_MODEL_SLOT  # the device slot its adapter sits in while it runs (the scheduler's)
     # len(prompt_token_ids), kept as a plain attribute: the scheduler reads it for every running request
     # at every step, and a property costs three times as much.

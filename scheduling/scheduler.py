@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Container, Generator, Iterable, Iterator, Mapping
+from collections.abc import Callable, Container, Generator, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from types import MappingProxyType
 
@@ -160,6 +160,22 @@ class Scheduler:
             vtc = self.vtc[PriorityClass(name)]
             for tenant_id, amount in tenants.items():
                 vtc.charge_service(tenant_id, amount)
+
+    def hold_for_import(self, chain: Sequence[bytes]) -> list[tuple[bytes, int]]:
+        """Host blocks for the KV another replica computed of a prompt (cluster/handoff.py): the blocks of
+        its hash chain after those the device already holds, each a held host block until
+        `release_imports`; (hash, host block) pairs for the caller to fill. None without a host tier."""
+        tiers = self.blocks.tiers
+        if tiers is None:
+            return []
+        on_device = 0
+        while on_device < len(chain) and self.blocks.device.lookup(chain[on_device]) is not None:
+            on_device += 1
+        return tiers.hold_for_import(chain[on_device:])
+
+    def release_imports(self, filled: Sequence[bytes], failed: Sequence[bytes]) -> None:
+        if self.blocks.tiers is not None:
+            self.blocks.tiers.release_imports(filled, failed)
 
     def add_request(self, request: Request) -> None:
         self.check_admissible(request.num_prompt_tokens, request.max_tokens)

@@ -39,6 +39,9 @@ class StepBuilder:
                                      needs_sample, sampling, lora_slot=request.lora_slot)
         if sampling.carries_tokens:
             self._attach_tokens(sequence, request)
+        if needs_sample and request.publish_kv and start < request.num_prompt_tokens:
+            hashes = request.prompt_block_hashes
+            self.plan.publishes.append((hashes, block_table[:len(hashes)]))
         self.plan.sequences.append(sequence)
         self.tokens_left -= num_new
         self.num_tokens += num_new

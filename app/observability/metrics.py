@@ -227,9 +227,9 @@ class _Families:
         self.model_name = model_name
         self._leading = (("model_name", model_name), *more_leading)  # (label, value) every series starts with
 
-    def labelled(self, label: str, value: str) -> _Families:
-        """These families with one more leading label."""
-        return _Families(self.model_name, (*self._leading[1:], (label, value)))
+    def labelled(self, *labels: tuple[str, str]) -> _Families:
+        """These families with more leading labels, (label, value) each."""
+        return _Families(self.model_name, (*self._leading[1:], *labels))
 
     def gauge(self, name: str, what: str, *labels: str) -> _Family:
         return self._family(GaugeMetricFamily, name, what, labels)
@@ -276,8 +276,30 @@ def _or_nan(value: float | None) -> float:
     return math.nan if value is None else value
 
 
-# On a cluster's ingress: each live replica's latest snapshot, by replica id.
-ReplicaSnapshots = Callable[[], Mapping[str, SchedulerSnapshot]]
+@dataclass(slots=True, frozen=True)
+class ReplicaState:
+    """What a cluster's ingress shows of one replica: its scheduler's snapshot, its role (colocated,
+    prefill or decode: cluster/handoff.py) and its KV hand-off counters (cluster/replica.py)."""
+
+    snapshot: SchedulerSnapshot
+    role: str = "colocated"
+    handoff: Mapping[str, float] = field(default_factory=dict)
+
+
+# On a cluster's ingress: each live replica's latest snapshot (or state), by replica id.
+ReplicaSnapshots = Callable[[], Mapping[str, SchedulerSnapshot | ReplicaState]]
+
+# The KV hand-off counters of a replica (cluster.replica.HandoffCounters' fields): metric name, text.
+HANDOFF_COUNTERS = {
+    "published": ("kv_handoff_prompts_published", "Prompts whose KV blocks a prefill replica published."),
+    "publish_failures": ("kv_handoff_publish_failures", "Prompts a prefill replica could not publish."),
+    "publish_seconds": ("kv_handoff_publish_seconds", "Seconds prefill replicas waited for their KV writes."),
+    "received": ("kv_handoff_received", "Hand-offs a decode replica received."),
+    "blocks_received": ("kv_handoff_blocks_received", "KV blocks a decode replica received."),
+    "blocks_missed": ("kv_handoff_blocks_missed", "Published KV blocks a decode replica could not read "
+                                                  "(computed again)."),
+    "fetch_seconds": ("kv_handoff_fetch_seconds", "Seconds decode replicas spent receiving KV blocks."),
+}
 
 
 class EngineCollector(Collector):
@@ -302,8 +324,13 @@ class EngineCollector(Collector):
         if self._replica_snapshots is None:
             yield from self._engine_state(self._snapshot(), self._families)
             return
-        for replica_id, snapshot in sorted(self._replica_snapshots().items()):
-            yield from self._engine_state(snapshot, self._families.labelled("replica", replica_id))
+        for replica_id, reported in sorted(self._replica_snapshots().items()):
+            state = reported if isinstance(reported, ReplicaState) else ReplicaState(reported)
+            families = self._families.labelled(("replica", replica_id), ("role", state.role))
+            yield from self._engine_state(state.snapshot, families)
+            for key, (name, what) in HANDOFF_COUNTERS.items():
+                if key in state.handoff:
+                    yield families.counter(name, what).add(state.handoff[key])
 
     def _engine_state(self, snapshot: SchedulerSnapshot, families: _Families) -> Iterator[_Family]:
         yield from self._requests(snapshot, families)

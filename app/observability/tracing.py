@@ -9,6 +9,7 @@ when its tokens came and whether it was preempted since the last one.
     ├── queued                    arrival .. first scheduled
     ├── prefill                   first scheduled .. first token
     ├── decode                    first token .. finish
+    ├── kv_handoff                disaggregated: the first token .. its blocks published and received
     └── preempted (one per gap)   the last token before a preemption .. the first token after it
 
 The scheduler does not publish when it preempts a request, only how often (`num_preemptions`), so a
@@ -105,6 +106,10 @@ class RequestTracer:
             self._child("prefill", parent, scheduled, first_token or end, who)
         if first_token is not None:
             self._child("decode", parent, first_token, end, who)
+        if first_token is not None and request.kv_handoff_s is not None:  # after the first token, before decode
+            publish_s, fetch_s = request.kv_handoff_s
+            self._child("kv_handoff", parent, first_token, first_token + publish_s + fetch_s,
+                        {**who, "fairlane.kv_handoff.publish_s": publish_s, "fairlane.kv_handoff.fetch_s": fetch_s})
         for since, until, count in progress.preempted:
             self._child("preempted", parent, since, until, {**who, "fairlane.preemptions": count})
         root.add_event("finished", {"gen_ai.response.finish_reason": event.finish_reason or ""},

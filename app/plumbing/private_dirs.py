@@ -30,6 +30,8 @@ def data_dirs(settings: Settings) -> Iterable[Path]:
     yield Path(settings.batch_db_path).parent
     if settings.kv_disk_cache_path is not None:
         yield Path(settings.kv_disk_cache_path)
+    if settings.is_disaggregated and settings.kv_handoff_path is not None:
+        yield Path(settings.kv_handoff_path)
 
 
 def prepare_data_dirs(settings: Settings) -> None:

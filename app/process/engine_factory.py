@@ -144,9 +144,14 @@ def build_engine(settings: Settings, loaded: LoadedModel | None = None, tenants:
     # belong to the thread that launched them: a forward from a second thread after the first had
     # run the model measured 2-2.5x slower on 2 cores (SmolLM2 one-token step: 97 against 37 ms).
     step_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fairlane-step")
+
+    def build_on_step_thread() -> ModelRunner:
+        if settings.torch_threads is not None:  # replicas sharing a machine's cores, one share each
+            torch.set_num_threads(settings.torch_threads)
+        return build_runner(settings, loaded or load_model_for(settings), compile_in_background=compile_in_background)
+
     try:
-        runner = step_thread.submit(lambda: build_runner(settings, loaded or load_model_for(settings),
-                                                         compile_in_background=compile_in_background)).result()
+        runner = step_thread.submit(build_on_step_thread).result()
     except UnsupportedAttention as exc:  # a model refused by name: a bad --model, said in one line
         step_thread.shutdown()
         raise SettingsError(str(exc)) from exc

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from app.observability.metrics import ReplicaSnapshots
 from app.serving.adapters import AdapterReader, AdapterRegistry, adapter_of
 from app.serving.admission import AdmissionGate
 from app.serving.off_loop import OffLoop
@@ -15,7 +15,6 @@ from contract.plan import CacheGeometry
 from gpu.runner import ModelRunner
 from gpu.tokenizer import Tokenizer
 from scheduling.engine import EngineFront
-from scheduling.snapshot import SchedulerSnapshot
 from tenancy.tenants import Tenant
 
 
@@ -27,7 +26,7 @@ class ServingContext:
     created: int = field(default_factory=lambda: int(time.time()))  # reported as the model's creation time
     is_draining: bool = False  # set once on shutdown: new generations get 503, /health says not ready
     # On a cluster's ingress: each replica's latest snapshot, for /metrics (this engine never steps).
-    replica_snapshots: Callable[[], Mapping[str, SchedulerSnapshot]] | None = None
+    replica_snapshots: ReplicaSnapshots | None = None
     gate: AdmissionGate = field(init=False)  # authentication, class rights and quotas, per the engine's tenants
     adapters: AdapterRegistry | None = field(init=False)  # the LoRA adapters served; None without enable_lora
     off_loop: OffLoop = field(default_factory=OffLoop)  # each tenant's heavy parsing and rendering

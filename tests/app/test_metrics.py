@@ -18,7 +18,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from app.observability.metrics import REJECTION_REASONS, RejectionReason, ServingMetrics, rejection_reason
+from app.observability.metrics import REJECTION_REASONS, RejectionReason, ReplicaState, ServingMetrics, rejection_reason
 from app.observability.routes import Observability
 from benchmarks.fake_executors import FakeExecutor
 from scheduling.engine import Engine
@@ -220,18 +220,22 @@ def test_a_cluster_ingress_shows_each_replicas_engine_state_labelled_by_replica(
     busy.add_request(make_request(8, 4, tenant_id="alice"))
     run_step(busy, FakeExecutor(busy.geometry))
     metrics = ServingMetrics(ingress.snapshot, ingress.tenants,
-                             replica_snapshots=lambda: {"r2": idle.snapshot(), "r1": busy.snapshot()})
+                             replica_snapshots=lambda: {"r2": idle.snapshot(), "r1": ReplicaState(
+                                 busy.snapshot(), "decode", {"blocks_received": 12, "fetch_seconds": 0.5})})
 
     text = metrics.exposition().decode()
     now = Scrape.parse(text)
-    assert now.value("fairlane:num_requests_running", {"replica": "r1", "class": "interactive"}) == 1
-    assert now.value("fairlane:num_requests_running", {"replica": "r2", "class": "interactive"}) == 0
-    assert now.value("fairlane:kv_cache_usage_perc", {"replica": "r1"}) == 2 / 64
-    assert now.value("fairlane:tenant_vtc_counter", {"replica": "r1", "tenant": "alice", "class": "interactive"}) > 0
-    assert now.value("fairlane:num_preemptions_total", {"replica": "r2", "mode": "swap"}) == 0
+    r1, r2 = {"replica": "r1", "role": "decode"}, {"replica": "r2", "role": "colocated"}
+    assert now.value("fairlane:num_requests_running", {**r1, "class": "interactive"}) == 1
+    assert now.value("fairlane:num_requests_running", {**r2, "class": "interactive"}) == 0
+    assert now.value("fairlane:kv_cache_usage_perc", r1) == 2 / 64
+    assert now.value("fairlane:tenant_vtc_counter", {**r1, "tenant": "alice", "class": "interactive"}) > 0
+    assert now.value("fairlane:num_preemptions_total", {"replica": "r2", "role": "colocated", "mode": "swap"}) == 0
     assert now.get("fairlane:num_requests_running", {"class": "interactive"}) is None  # nothing from the ingress's own
+    assert now.value("fairlane:kv_handoff_blocks_received_total", {"replica": "r1", "role": "decode"}) == 12
+    assert now.get("fairlane:kv_handoff_blocks_received_total", {"replica": "r2", "role": "colocated"}) is None
     assert text.count("# TYPE fairlane:num_requests_running gauge") == 1  # one family, a series per replica
-    assert now.get("fairlane:requests_rejected_total", {"replica": "r1"}) is None
+    assert now.get("fairlane:requests_rejected_total", {"replica": "r1", "role": "decode"}) is None
 
 
 def test_rejections_by_reason_and_bounded_tenant() -> None:

@@ -53,9 +53,10 @@ class Cluster:
     process: subprocess.Popen[bytes]
     base_url: str
     streaming: dict[str, openai.OpenAI] = field(default_factory=dict)  # per tenant, for long_stream; closed at the end
+    keys: dict[str, str] = field(default_factory=lambda: KEYS)  # API keys by tenant
 
     def client(self, tenant: str = "alice") -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key=KEYS[tenant], max_retries=0, timeout=60)
+        return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key=self.keys[tenant], max_retries=0, timeout=60)
 
     def stats(self) -> dict[str, Any]:
         response = httpx.get(f"{self.base_url}/stats", headers={"authorization": f"Bearer {ADMIN_KEY}"}, timeout=10)

@@ -30,9 +30,12 @@ import httpx
 import orjson
 
 from app.process.flags import add_model_flags, settings_from_args
+from benchmarks.bench_disaggregation import add_flags as add_disaggregation_flags
+from benchmarks.bench_disaggregation import print_disaggregation, run_disaggregation
 from config.settings import Settings
 from loadtest.bench_output import format_table, write_report
 from loadtest.stats import jain_index, percentile_or_nan
+from loadtest.workload import LoadTenant
 from tenancy.tenants import hash_api_key
 
 ADMIN_KEY = "fl-bench-admin"
@@ -296,7 +299,16 @@ def run_bench(args: argparse.Namespace) -> int:
     folder = Path(tempfile.mkdtemp(prefix="fairlane-bench-cluster-"))
     tenants = folder / "tenants.toml"
     tenants.write_text(tenants_toml([*(f"t{i}" for i in range(args.prefix_tenants)), *FAIRNESS_TENANTS]))
-    common = {"tenants_file": str(tenants), "port": args.port, "batch_db_path": str(folder / "batch.db")}
+    common = {"tenants_file": str(tenants), "port": args.port, "batch_db_path": str(folder / "batch.db"),
+              "kv_handoff_path": str(folder / "kv-handoff")}
+    if args.disaggregated:
+        args.admin_key = ADMIN_KEY
+        disaggregation = run_disaggregation(args, base.model_copy(update=common), on_cluster,
+                                            LoadTenant("t0", key_of("t0")))
+        print_disaggregation(disaggregation)
+        write_report(args.out, {"model": base.model, "disaggregation": disaggregation,
+                                "args": {k: v for k, v in vars(args).items() if k != "handler"}})
+        return 0
     settings = base.model_copy(update={**common, "replicas": 2})
     results: dict[str, dict[str, Any]] = {}
     for part in PARTS:
@@ -350,4 +362,5 @@ def add_command(subparsers: argparse._SubParsersAction[argparse.ArgumentParser])
     parser.add_argument("--fairness-max-num-seqs", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", help="write the results as JSON here")
+    add_disaggregation_flags(parser)
     parser.set_defaults(handler=run_bench)

@@ -189,6 +189,9 @@ class Settings(BaseModel):
     # Streams of background responses re-attached to (GET /v1/responses/{id}?stream=true) open at once, per
     # tenant: each holds a connection and costs no quota of the engine's.
     tenant_max_reattached_streams: int = Field(default=16, ge=1)
+    # And re-attachments per minute, per tenant (None: no rate): one to a response that has ended replays
+    # its whole event log at once, so a loop of them is cheap for the client and not for the server.
+    tenant_reattaches_per_minute: int | None = Field(default=120, ge=1)
     batch_window_s: int = Field(default=24 * 3600, ge=1)  # the "24h" completion window, in seconds
     batch_max_in_flight: int = Field(default=32, ge=1)  # batch items in the engine at once, all batches
     batch_poll_s: float = Field(default=1.0, gt=0)  # how often expiry is checked without other events

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
+import time
 from collections import Counter
 from collections.abc import AsyncGenerator, Callable, Coroutine
 from contextlib import aclosing
@@ -35,6 +37,7 @@ from app.responses.runs import ResponseRun, ResponseRunner
 from app.responses.schemas import ResponsesBody
 from app.responses.store import ResponseStore, StoredResponse, UnfinishedResponse
 from app.serving.generation import GenerationFailed
+from tenancy.quotas import TokenBucket
 from tenancy.tenants import Tenant
 
 logger = logging.getLogger(__name__)
@@ -55,7 +58,8 @@ class BackgroundResponses:
         self.runner = runner
         self.store = store
         self.logs = EventLogs()
-        self.readers = ReaderSlots(runner.context.settings.tenant_max_reattached_streams)
+        settings = runner.context.settings
+        self.readers = ReaderSlots(settings.tenant_max_reattached_streams, settings.tenant_reattaches_per_minute)
         self._runs: dict[str, tuple[asyncio.Task[None], ResponseHead]] = {}  # by response id, while running
 
     async def start(self) -> None:
@@ -250,19 +254,39 @@ class BackgroundResponses:
 
 
 class ReaderSlots:
-    """Each tenant's re-attached streams open at once: a re-attachment holds a connection and a reader
-    of a log, and costs no quota of the engine's, so without a bound one tenant could hold them all."""
+    """Each tenant's re-attached streams open at once, and how often it re-attaches: a re-attachment
+    holds a connection and a reader of a log, and costs no quota of the engine's, so without a bound one
+    tenant could hold them all; and one to a response that has ended replays its whole log at once, so
+    without a rate one tenant's loop of them takes the server's CPU from every other tenant."""
 
-    def __init__(self, per_tenant: int) -> None:
+    def __init__(self, per_tenant: int, per_minute: int | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.per_tenant = per_tenant
+        self.per_minute = per_minute
         self.open: Counter[str] = Counter()
+        self._buckets: dict[str, TokenBucket] = {}
+        self._clock = clock
 
     def hold(self, tenant_id: str, frames: AsyncGenerator[bytes, None]) -> AsyncGenerator[bytes, None]:
         if self.open[tenant_id] >= self.per_tenant:
             raise APIError(429, f"This tenant already follows {self.open[tenant_id]} response streams, its "
                                 "limit; close one first.", type="rate_limit_error", code="rate_limit_exceeded")
+        self._take_one(tenant_id)
         self.open[tenant_id] += 1
         return HeldFrames(frames, lambda: self._release(tenant_id))
+
+    def _take_one(self, tenant_id: str) -> None:
+        if self.per_minute is None:
+            return
+        now = self._clock()
+        bucket = self._buckets.setdefault(tenant_id, TokenBucket(self.per_minute, self.per_minute, now))
+        bucket.refill(now)
+        if bucket.level < 1:
+            wait_s = max(1, math.ceil(bucket.seconds_until(1)))
+            raise APIError(429, f"This tenant re-attached to response streams {self.per_minute} times in the last "
+                                f"minute, its limit; retry in {wait_s} s.", type="rate_limit_error",
+                           code="rate_limit_exceeded", headers={"retry-after": str(wait_s)})
+        bucket.level -= 1
 
     def _release(self, tenant_id: str) -> None:
         self.open[tenant_id] -= 1

@@ -421,6 +421,23 @@ async def test_a_tenants_reattached_streams_are_bounded_and_each_frees_its_slot(
     assert slots.open == {}
 
 
+async def test_a_tenants_reattachments_per_minute_are_bounded_each_tenant_apart() -> None:
+    """A re-attachment to an ended response replays its log at once: a loop of them is bounded by rate."""
+    clock = [0.0]
+    slots = ReaderSlots(per_tenant=4, per_minute=3, clock=lambda: clock[0])
+    log = EventLog.ended([b"0"])
+    for _ in range(3):
+        await slots.hold("alice", log.frames_after(None)).aclose()
+    with pytest.raises(APIError) as refused:
+        slots.hold("alice", log.frames_after(None))
+    assert refused.value.status == 429 and refused.value.headers["retry-after"] == "20"  # one every 20 s
+    await slots.hold("bob", log.frames_after(None)).aclose()  # bob's rate is his own
+    clock[0] = 20.0
+    await slots.hold("alice", log.frames_after(None)).aclose()
+    with pytest.raises(APIError):
+        slots.hold("alice", log.frames_after(None))
+
+
 def test_background_responses_at_once_are_bounded_per_tenant() -> None:
     server, executor = stepped_server(tenant_max_background_responses=2)
     try:

@@ -187,6 +187,12 @@ class PackedForward:
             # adapter deltas per layer (an opaque op each, see gpu/lora.py) gcc compiled SmolLM2's wrapper for
             # over 18 minutes before it was stopped; the Python wrapper calls them at once.
             options = {key: value for key, value in options.items() if key != "cpp_wrapper"}
+        if options is not None and options.get("max_autotune") and next(model.parameters()).device.type == "cuda":
+            # The first CUDA run (an H200, torch 2.11, triton 3.6): max-autotune benchmarked Triton GEMM
+            # templates in this process, some failed at run time, and a CUDA illegal memory access poisoned
+            # the process's CUDA context, so every compiled test after it errored. Inductor's guard against
+            # candidates that crash: benchmark them in a subprocess. Not yet run on a GPU.
+            options = {**options, "autotune_in_subproc": True}
         self.scope: CompileScope = scope if options is not None and lora_rows is None else "model"
         self._compiled: Callable[..., Any] | None = None
         self._compiled_layer: Callable[..., Any] | None = None  # scope "layer": every decoder layer's forward

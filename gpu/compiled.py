@@ -191,7 +191,7 @@ class PackedForward:
             # The first CUDA run (an H200, torch 2.11, triton 3.6): max-autotune benchmarked Triton GEMM
             # templates in this process, some failed at run time, and a CUDA illegal memory access poisoned
             # the process's CUDA context, so every compiled test after it errored. Inductor's guard against
-            # candidates that crash: benchmark them in a subprocess. Not yet run on a GPU.
+            # candidates that crash: benchmark them in a subprocess. Unverified: docs/benchmarks/gpu.md.
             options = {**options, "autotune_in_subproc": True}
         self.scope: CompileScope = scope if options is not None and lora_rows is None else "model"
         self._compiled: Callable[..., Any] | None = None

@@ -162,6 +162,10 @@ class ClusterEngine(EngineFront):
                     location, run.publish_seconds = item.location, item.seconds
                     continue
                 last = item[-1]
+                if last.finish_reason == "error" and not run.output_token_ids:  # refused there (full, stopping)
+                    logger.warning("request %s: its prefill replica gave no token (%s); a decode replica takes "
+                                   "it whole", request.request_id, last.error)
+                    break
                 if last.is_final and ends_at_prefill(request, last):
                     run.last = last
                     self.deliver(item)

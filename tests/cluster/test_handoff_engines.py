@@ -22,7 +22,7 @@ from cluster.handoff import continuation, prefill_request, receive_blocks
 from cluster.handoff_runner import block_reader, open_publisher
 from cluster.remote_engine import ClusterEngine, RemoteExecutor
 from cluster.replica_calls import ReplicaCalls
-from cluster.wire import ReplicaCall
+from cluster.wire import ReplicaCall, ended_event
 from gpu.kv_handoff import FolderPublisher
 from gpu.models import LoadedModel, load_model
 from gpu.runner import ModelRunner, RunnerBudget, kv_shape_of
@@ -296,3 +296,19 @@ async def test_the_requests_trace_shows_the_handoffs_publish_and_fetch_time(role
     assert handoff.start_time == spans["decode"].start_time  # from the first token on
     assert handoff.end_time is not None and handoff.start_time is not None
     assert abs((handoff.end_time - handoff.start_time) / 1e9 - (publish_s + fetch_s)) < 1e-3
+
+
+class Refusing:
+    """A prefill replica that refuses every request (full, or stopping), as ReplicaCalls answers then."""
+
+    async def prefill(self, call: ReplicaCall) -> AsyncIterator[list[TokenEvent]]:
+        yield [ended_event(call.request, None, "error", "replica prefill-1 refused the request: full")]
+
+
+async def test_a_request_its_prefill_replica_refuses_runs_whole_on_a_decode_replica(roles: Roles) -> None:
+    engine, _, decode, _ = ingress(roles, [], [])
+    engine._prefill = Handle([Refusing()], "prefill")  # type: ignore[list-item]
+    tokens = prompt(71)
+    out, events = await through_the_ingress(engine, request("refused", tokens))
+    assert out == (await collect(roles.colocated, request("c", tokens)))[0]
+    assert events[-1].finish_reason == "length" and decode.calls[0].request.num_output_tokens == 0

@@ -24,6 +24,7 @@ from tests.cluster.test_cluster_serve import (
     is_alive,
     loopback_port,
     replica_series,
+    stop,
 )
 from tests.tenants_files import tenants_toml
 
@@ -45,15 +46,6 @@ def start_server(folder: Path, args: list[str], env: dict[str, str]) -> tuple[su
                                env={**os.environ, **env}, stdout=subprocess.DEVNULL, stderr=log, start_new_session=True)
     log.close()  # the child has its own descriptor
     return process, Cluster(process, f"http://127.0.0.1:{port}", keys=KEYS)
-
-
-def stop(process: subprocess.Popen[bytes]) -> None:
-    process.send_signal(signal.SIGTERM)
-    try:
-        process.wait(60)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
 
 
 @pytest.fixture(scope="module")

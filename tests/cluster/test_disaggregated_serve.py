@@ -57,22 +57,25 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Cluster,
     (folder / "single").mkdir()
     env = {"FAIRLANE_COMPILE_MODE": "eager", "FAIRLANE_MAX_NUM_SEQS": "8", "FAIRLANE_SPECULATIVE_CONFIG": "none",
            "FAIRLANE_DISAGGREGATION_MIN_PROMPT_TOKENS": "0"}
-    cluster_process, cluster = start_server(folder / "cluster", [
-        "--prefill-replicas", "1", "--decode-replicas", "1", "--kv-cache-bytes", str(32 * 1024 * 1024)], {
-        **env, "FAIRLANE_BATCH_DB_PATH": str(folder / "cluster" / "f.db"),
-        "FAIRLANE_KV_HANDOFF_PATH": str(folder / "cluster" / "handoff")})
-    single_process, single = start_server(folder / "single", ["--kv-cache-bytes", str(32 * 1024 * 1024)], {
-        **env, "FAIRLANE_BATCH_DB_PATH": str(folder / "single" / "f.db")})
+    started: list[subprocess.Popen[bytes]] = []
     try:
-        for process, served in ((cluster_process, cluster), (single_process, single)):
+        cluster_process, cluster = start_server(folder / "cluster", [
+            "--prefill-replicas", "1", "--decode-replicas", "1", "--kv-cache-bytes", str(32 * 1024 * 1024)], {
+            **env, "FAIRLANE_BATCH_DB_PATH": str(folder / "cluster" / "f.db"),
+            "FAIRLANE_KV_HANDOFF_PATH": str(folder / "cluster" / "handoff")})
+        started.append(cluster_process)
+        single_process, single = start_server(folder / "single", ["--kv-cache-bytes", str(32 * 1024 * 1024)], {
+            **env, "FAIRLANE_BATCH_DB_PATH": str(folder / "single" / "f.db")})
+        started.append(single_process)
+        for name, process, served in (("cluster", cluster_process, cluster), ("single", single_process, single)):
             wait_for(lambda: served.is_healthy() or process.poll() is not None,  # noqa: B023
-                     timeout=START_TIMEOUT_S, interval=0.5, what="a server to serve")
-            assert process.poll() is None, (folder / "cluster" / "serve.log").read_text()[-4000:]
+                     timeout=START_TIMEOUT_S, interval=0.5, what=f"the {name} server to serve")
+            assert process.poll() is None, (folder / name / "serve.log").read_text()[-4000:]
         wait_for(lambda: len(cluster.stats()["replicas"]) == 2, timeout=30, interval=0.2, what="both replicas")
         yield cluster, single
     finally:
-        stop(cluster_process)
-        stop(single_process)
+        for process in started:
+            stop(process)
 
 
 def replica(cluster: Cluster, role: str) -> dict[str, Any]:

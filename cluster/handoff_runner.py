@@ -11,12 +11,16 @@ from gpu.kv_disk import DiskBlockStore
 from gpu.kv_handoff import FolderPublisher, FolderReceiver
 from gpu.runner import ModelRunner
 
+MAX_PENDING_BYTES = 512 << 20  # a prefill replica's block copies queued for the writer, at most
+
 
 def open_publisher(runner: ModelRunner, root: str | Path, replica_id: str, capacity_bytes: int) -> FolderPublisher:
     """A folder of this replica's own under the hand-off root, which the runner publishes prompts into."""
     folder = Path(root) / re.sub(r"[^A-Za-z0-9_-]", "_", replica_id)
+    # Copies waiting for the writer are bounded apart from the folder: past that, a block is not published
+    # (the decode replica computes it), and a burst of long prompts cannot take the replica's memory.
     store = DiskBlockStore(folder, runner.block_file_config(), runner.block_file_shape(), runner.cache.shape.dtype,
-                           capacity_bytes, max_pending_bytes=capacity_bytes)
+                           capacity_bytes, max_pending_bytes=min(capacity_bytes, MAX_PENDING_BYTES))
     publisher = FolderPublisher(store)
     runner.publish_to(publisher)
     return publisher

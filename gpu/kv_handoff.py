@@ -48,7 +48,6 @@ class FolderPublisher:
         self._store = store
         self.location = str(store.folder.parent)  # the root the store made its configuration's folder in
         self._published: OrderedDict[bytes, None] = OrderedDict()
-        self.num_published = 0  # blocks written (not counting those published again while still there)
 
     def publish(self, blocks: Sequence[tuple[bytes, torch.Tensor]]) -> None:
         for lost in self._store.take_lost():  # dropped or failed writes: write them again when asked
@@ -59,7 +58,6 @@ class FolderPublisher:
                 continue
             self._store.write(block_hash, block)
             self._published[block_hash] = None
-            self.num_published += 1
         while len(self._published) > self._store.capacity_blocks:
             oldest, _ = self._published.popitem(last=False)
             self._store.delete(oldest)

@@ -3,6 +3,7 @@ CPython's cadence, and an engine's steps hold no collection of their own."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import sys
 from collections.abc import Iterator
@@ -12,12 +13,19 @@ import pytest
 
 from scheduling.gc_pacing import OLDER_EVERY, YOUNG_THRESHOLD, PacedCollector, paced_collection
 from tests.factories import collect, make_fake_engine, make_request, running
+from tests.isolation import call_in_fresh_process
 
 
 @pytest.fixture
 def paced() -> Iterator[list[tuple[int, bool]]]:
-    """The serving collector for the test; yields (generation, made by PacedCollector.collect_due) for
-    each collection that starts. `paced_collection` puts the collector back as it was."""
+    with recorded_paced_collections() as started:
+        yield started
+
+
+@contextlib.contextmanager
+def recorded_paced_collections() -> Iterator[list[tuple[int, bool]]]:
+    """The serving collector; yields (generation, made by PacedCollector.collect_due) for each collection
+    that starts. `paced_collection` puts the collector back as it was."""
     gc.collect()
     started: list[tuple[int, bool]] = []
 
@@ -41,17 +49,30 @@ def made_by_pacing(frame: Any) -> bool:
     return False
 
 
-def test_collections_come_when_asked_at_cpythons_cadence(paced: list[tuple[int, bool]]) -> None:
-    collector, kept = PacedCollector(), list[list[list[int]]]()
-    collector.collect_due()
-    assert paced == []  # nothing new yet
-    for _ in range(OLDER_EVERY + 2):  # a generation is due once its count is past the threshold
-        kept.append([[] for _ in range(YOUNG_THRESHOLD + 1)])  # more new containers than the threshold
-        assert all(by_pacing for _, by_pacing in paced)  # the automatic collector stayed out
+def test_collections_come_when_asked_at_cpythons_cadence() -> None:
+    """In a fresh process: another test's threads, allocating or freeing containers while this one counts
+    its own, would shift CPython's cadence (a full suite run once saw one collection fewer)."""
+    started, by_pacing_throughout, counts = call_in_fresh_process(paced_cadence)
+    assert [generation for generation, _ in started] == [0] * (OLDER_EVERY + 1) + [1]
+    assert by_pacing_throughout and all(by_pacing for _, by_pacing in started)  # the automatic collector stayed out
+    assert counts == [OLDER_EVERY + 1, 1, 0]
+
+
+def paced_cadence() -> tuple[list[tuple[int, bool]], bool, list[int]]:
+    """The collections (generation, made by pacing) while new containers pass the young threshold
+    OLDER_EVERY + 2 times, each followed by collect_due; whether none came unasked between; the
+    collector's counts per generation."""
+    with recorded_paced_collections() as started:
+        collector, kept = PacedCollector(), list[list[list[int]]]()
         collector.collect_due()
-    assert [generation for generation, _ in paced] == [0] * (OLDER_EVERY + 1) + [1]
-    assert all(by_pacing for _, by_pacing in paced)
-    assert collector.collections == [OLDER_EVERY + 1, 1, 0] and collector.seconds > 0
+        assert started == []  # nothing new yet
+        by_pacing_throughout = True
+        for _ in range(OLDER_EVERY + 2):  # a generation is due once its count is past the threshold
+            kept.append([[] for _ in range(YOUNG_THRESHOLD + 1)])  # more new containers than the threshold
+            by_pacing_throughout &= all(by_pacing for _, by_pacing in started)
+            collector.collect_due()
+        assert collector.seconds > 0
+        return list(started), by_pacing_throughout, list(collector.collections)
 
 
 async def test_an_engine_collects_only_while_the_runner_computes(paced: list[tuple[int, bool]]) -> None:

@@ -394,7 +394,8 @@ class Engine(EngineFront):
     async def hold_for_import(self, chain: Sequence[bytes]) -> list[tuple[bytes, int]]:
         """Host blocks to fill with the blocks of a prompt's hash chain that another replica computed
         (`Scheduler.hold_for_import`), held by the engine's task between two steps; fill them, then
-        `release_imports`. Empty without a host tier, or when the engine stops first."""
+        `release_imports`. Empty without a host tier. A loop that has died never answers: the caller bounds
+        the wait (cluster.handoff.receive_blocks)."""
         future: asyncio.Future[list[tuple[bytes, int]]] = asyncio.get_running_loop().create_future()
         self._to_hold.append((tuple(chain), future))
         self._command()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import logging
 import time
 from collections.abc import Callable
@@ -111,7 +112,11 @@ class ClusterEngine(EngineFront):
         stream = self.track(request)
         run = RemoteRun(replica_call(request, self.geometry.block_size))
         self._runs[request.request_id] = run
-        run.task = asyncio.create_task(self._run_remote(run), name=f"fairlane-remote-{request.request_id}")
+        # In a context of its own, not the HTTP request's: Ray Serve cancels the handle calls a cancelled
+        # request made (its "child requests"), behind the ingress's back. When a request ends is the
+        # ingress's to say (`finish`): a background response outlives the request that started it.
+        run.task = asyncio.create_task(self._run_remote(run), name=f"fairlane-remote-{request.request_id}",
+                                       context=contextvars.Context())
         return stream
 
     async def _run_remote(self, run: RemoteRun) -> None:
@@ -123,7 +128,8 @@ class ClusterEngine(EngineFront):
                 await self._run_on(self._generate, run.call, run)
             if run.last is None or not run.last.is_final:
                 self.deliver([ended(request, run.last, "error", "the replica ended the request without a result")])
-        except asyncio.CancelledError:
+        except asyncio.CancelledError:  # by `finish` or `shutdown`, which ended it; else it ends here
+            self.deliver([ended(request, run.last, "abort")])
             raise
         except Exception as exc:  # the replica died or Ray Serve could not reach one
             logger.warning("request %s failed on its replica: %s", request.request_id, exc)
@@ -206,11 +212,12 @@ class ClusterEngine(EngineFront):
         """End a request here at once (its reader stopped: client gone or stop string) and cancel
         its replica call, which aborts it there."""
         run = self._runs.pop(request_id, None)
-        if run is None:
-            return
-        if run.task is not None:
+        if run is not None and run.task is not None:
             run.task.cancel()
-        self.deliver([ended(run.call.request, run.last, finish_reason(status) or "abort")])
+        stream = self._streams.get(request_id)
+        if stream is not None:  # its run may be gone already; a stream still tracked ends here all the same
+            last = run.last if run is not None else None
+            self.deliver([ended(stream.request, last, finish_reason(status) or "abort")])
 
     def health(self) -> EngineHealth:
         """Healthy while at least one replica reports healthy; the reasons of the others otherwise."""

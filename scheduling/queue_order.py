@@ -9,9 +9,10 @@ weighted fair queue (VTC, scheduling/queue.py) decides, unchanged; this only pic
 - `lpm`: the longest prefix already in the device cache first (its prompt is mostly computed, and its
   blocks are shared before they are evicted). The cache is salted per tenant, and the line is one
   tenant's, so a match never crosses tenants.
-Under each of the three, a request that has waited `aging_s` goes first (the oldest first): the bound on
-how long a long request can be passed over. Every order, deadlines included, weighs the line's oldest
-MAX_WEIGHED requests only.
+Under each of the three, a request goes first (the oldest first) once it is overdue: passed over for
+`queue_fcfs_stretch` times what FCFS would have made it wait, in the line's own work
+(scheduling/fcfs_bound.py), or for `aging_s` seconds. These bound how long a long request can be passed
+over. Every order, deadlines included, weighs the line's oldest MAX_WEIGHED requests only.
 `fairlane bench queue-order` measures them against FCFS on a mixed-length trace past capacity; its
 table chose the server's default (config/settings.py).
 
@@ -48,6 +49,7 @@ class OrderContext:
     cached_prefix_tokens: Callable[[Request], int]
     token_s: Callable[[], float]  # seconds per token of work, to weigh waiting against work (HRRN, slack)
     aging_s: float = 30.0
+    is_overdue: Callable[[Request], bool] = lambda request: False  # passed over long enough (fcfs_bound.py)
 
 
 class QueueOrder:
@@ -70,6 +72,9 @@ class QueueOrder:
         now = self.context.clock()
         if now - requests[0].arrival_time >= self.context.aging_s:
             return requests[0]  # aged: the oldest goes first
+        overdue = next((r for r in weighed if self.context.is_overdue(r)), None)
+        if overdue is not None:
+            return overdue  # the oldest of those passed over as far as they may be
         if self.name == "hrrn":
             token_s, work = self.context.token_s(), self.context.predicted_work
             return max(weighed, key=lambda r: (now - r.arrival_time) / (max(work(r), 1.0) * token_s))
@@ -79,17 +84,18 @@ class QueueOrder:
 
     def ranked(self, requests: list[Request]) -> list[Request]:
         """The requests (in arrival order) as `first` would pick them one after another: those with a
-        TTFT deadline by slack, then the aged oldest first, then by the order (highest response ratio,
+        TTFT deadline by slack, then the overdue oldest first, then by the order (highest response ratio,
         or least predicted work). FCFS and LPM keep the given order (a running prompt's prefix is cached
         already)."""
         if self.name in ("fcfs", "lpm") or len(requests) < 2:
             return requests
         now, token_s, work = self.context.clock(), self.context.token_s(), self.context.predicted_work
+        is_overdue = self.context.is_overdue
 
         def rank(r: Request) -> tuple[int, float]:
             if r.ttft_deadline is not None:
                 return 0, self._slack(r)
-            if now - r.arrival_time >= self.context.aging_s:
+            if now - r.arrival_time >= self.context.aging_s or is_overdue(r):
                 return 1, r.arrival_time
             if self.name == "hrrn":
                 return 2, -(now - r.arrival_time) / (max(work(r), 1.0) * token_s)

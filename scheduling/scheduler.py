@@ -28,6 +28,7 @@ from scheduling.block_manager import KVBlockManager
 from scheduling.cache_pins import CachePins
 from scheduling.cache_tiers import LowerTiers
 from scheduling.calibration import calibration_plans
+from scheduling.fcfs_bound import FcfsBound
 from scheduling.interactive_room import NOTHING_OWED, RoomCount, RoomOwed, room_owed
 from scheduling.lora_residency import LoraResidency
 from scheduling.output_lengths import OutputLengths
@@ -67,8 +68,11 @@ class SchedulerConfig:
     max_num_seqs: int = 64  # sequences in one step
     max_num_batched_tokens: int = 512  # tokens in one step, decodes and prefill chunks together
     queue_policy: str = "vtc"  # vtc (weighted fair per tenant) or fcfs
-    queue_order: QueueOrderName = "hrrn"  # within a tenant's line under vtc (scheduling/queue_order.py)
-    queue_aging_s: float = 90.0  # hrrn, srpt, lpm: a request waiting this long goes first
+    queue_order: QueueOrderName = "srpt"  # within a tenant's line under vtc (scheduling/queue_order.py)
+    queue_aging_s: float = 300.0  # hrrn, srpt, lpm: a request waiting this long goes first
+    # hrrn, srpt, lpm: a request goes first once its tenant's line has computed this many times the prompt
+    # tokens FCFS would have computed by its first token (scheduling/fcfs_bound.py); 0: off.
+    queue_fcfs_stretch: float = 1.3
     # A running prompt's chunk while others of its class wait (vLLM's long_prefill_token_threshold): the
     # rest of the step is left to them, so a document does not take every step's budget while the
     # prompts behind it wait. None: a quarter of max_num_batched_tokens.
@@ -124,9 +128,10 @@ class Scheduler:
         self.vtc = {c: VirtualTokenCounter(config.service_weights, self.tenants.weight) for c in CLASSES}
         self.output_lengths = OutputLengths()
         self.shaper = StepShaper(config.shaping, geometry.block_size)
+        self.fcfs_bound = FcfsBound(config.queue_fcfs_stretch)
         self.order = QueueOrder(config.queue_order, OrderContext(clock, self._predicted_work,
                                                                  self._cached_prefix_tokens, self._token_s,
-                                                                 config.queue_aging_s))
+                                                                 config.queue_aging_s, self.fcfs_bound.is_overdue))
         self.waiting: dict[PriorityClass, RequestQueue] = {
             c: create_request_queue(config.queue_policy, self.vtc[c], self.order) for c in CLASSES}
         self.running: list[Request] = []
@@ -186,6 +191,7 @@ class Scheduler:
             self.vtc[request.priority].lift(request.tenant_id, backlogged)
         request.status = RequestStatus.WAITING
         request.predicted_output_tokens = self.output_lengths.predict(request)
+        self.fcfs_bound.arrived(request)
         self.requests[request.request_id] = request
         self.waiting[request.priority].add(request)
 
@@ -648,6 +654,7 @@ class Scheduler:
         if request.num_preemptions == 0:  # usage reports the first admission's hits
             request.num_cached_tokens = num_cached
             self.vtc[request.priority].charge(request.tenant_id, 0, 0, num_cached_prompt=num_cached)
+            self.fcfs_bound.found_cached(request, num_cached)
         self.waiting[request.priority].remove(request)
         self._start_running(request, step.plan)
         step.add(request, num_new)
@@ -815,6 +822,7 @@ class Scheduler:
         request.num_charged_prompt_tokens = max(request.num_charged_prompt_tokens, end)
         num_pinned = max(0, min(end, request.cache_pin_tokens) - first)  # written to a breakpoint's blocks
         self.vtc[request.priority].charge(request.tenant_id, num_prefill, 0, num_pinned_prompt=num_pinned)
+        self.fcfs_bound.computed(request, num_prefill)
 
     def _end_failed_lora_loads(self, failures: tuple[tuple[int, str], ...]) -> list[TokenEvent]:
         """End, with the runner's reason, the running requests whose adapter could not be loaded: their
@@ -847,6 +855,7 @@ class Scheduler:
         self.blocks.free(request.request_id)
         request.status = status
         del self.requests[request.request_id]
+        self.fcfs_bound.ended(request)
         self.load.finished(request)
         self._finished_ids.append(request.request_id)
         if status == RequestStatus.FINISHED_ABORTED:

@@ -85,7 +85,7 @@ def scheduler_config_of(settings: Settings) -> SchedulerConfig:
     return SchedulerConfig(max_num_seqs=settings.max_num_seqs,
                            max_num_batched_tokens=settings.max_num_batched_tokens,
                            queue_policy=settings.queue_policy, queue_order=settings.queue_order,
-                           queue_aging_s=settings.queue_aging_s,
+                           queue_aging_s=settings.queue_aging_s, queue_fcfs_stretch=settings.queue_fcfs_stretch,
                            preemption_mode=settings.preemption_mode,
                            batch_min_share=settings.batch_min_share,
                            service_weights=weights,

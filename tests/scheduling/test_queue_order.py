@@ -9,6 +9,7 @@ import random
 import pytest
 
 from benchmarks.fake_executors import FakeExecutor, LinearStepCost
+from scheduling.fcfs_bound import FcfsBound
 from scheduling.output_lengths import OutputLengths
 from scheduling.queue_order import QUEUE_ORDERS
 from scheduling.request import PriorityClass, Request, RequestStatus
@@ -23,10 +24,11 @@ COST = LinearStepCost(overhead_s=0.005, per_token_s=0.001)
 class Line:
     """A scheduler that runs one sequence at a time, so the order it starts requests in is the line's."""
 
-    def __init__(self, order: str, max_num_seqs: int = 1, aging_s: float = 30.0) -> None:
+    def __init__(self, order: str, max_num_seqs: int = 1, aging_s: float = 30.0, fcfs_stretch: float = 1.3) -> None:
         self.clock = VirtualClock()
         config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=256, queue_order=order,  # type: ignore[arg-type]
-                                 queue_aging_s=aging_s, shaping=ShapingConfig(enabled=False))
+                                 queue_aging_s=aging_s, queue_fcfs_stretch=fcfs_stretch,
+                                 shaping=ShapingConfig(enabled=False))
         self.scheduler = Scheduler(config, make_geometry(num_device_blocks=1024), clock=self.clock)
         self.executor = FakeExecutor(self.scheduler.geometry, COST)
         self.started: list[str] = []
@@ -90,6 +92,57 @@ def test_srpt_lets_a_request_waiting_past_its_aging_bound_go_first() -> None:
     assert long.status is not RequestStatus.WAITING
     assert long.first_scheduled_time is not None
     assert long.first_scheduled_time - long.arrival_time <= 0.5 + 0.2  # the bound, plus a step or two
+
+
+def shorts_passing_a_long_request(order: str, fcfs_stretch: float, num_shorts: int = 100) -> tuple[int, bool]:
+    """Behind one running request, a 200-token request arrives with no prompt ahead of it, then an 8-token
+    one in every step, one running at a time: how many short ones start before it, and whether it started
+    (aging in seconds out of reach)."""
+    line = Line(order, aging_s=1e9, fcfs_stretch=fcfs_stretch)
+    line.add(8, 4)
+    line.step()
+    long = line.add(200, 4)
+    for _ in range(num_shorts):
+        line.add(8, 4)
+        line.step()
+        if long.status is not RequestStatus.WAITING:
+            break
+    return len([r for r in line.started[1:] if r != long.request_id]), long.status is not RequestStatus.WAITING
+
+
+@pytest.mark.parametrize("order", ["hrrn", "srpt"])
+def test_a_long_request_is_passed_over_only_as_far_as_the_fcfs_bound_allows(order: str) -> None:
+    """FCFS gives its first token after its own 200 tokens; with a stretch of 1.3 it must have it within 260
+    of the line's tokens, so the short ones may compute 60 before it starts: eight, the eighth crossing."""
+    passed, started = shorts_passing_a_long_request(order, 1.3)
+    assert started and 1 <= passed <= 8
+
+
+def test_without_the_fcfs_bound_srpt_passes_a_long_request_over_while_short_ones_come() -> None:
+    passed, started = shorts_passing_a_long_request("srpt", 0.0)
+    assert not started and passed == 25  # a short one every step, each running four steps
+
+
+def test_the_fcfs_bound_grows_with_the_work_ahead_and_discounts_cached_prefixes() -> None:
+    bound = FcfsBound(stretch=1.5)
+    ahead = make_request(100, 4, tenant_id="t")
+    other_tenant = make_request(1000, 4, tenant_id="u")
+    for request in (ahead, other_tenant):
+        bound.arrived(request)
+    bound.found_cached(ahead, 20)  # 80 of its tokens are left to compute
+    late = make_request(40, 4, tenant_id="t")
+    bound.arrived(late)  # FCFS: 80 + 40 tokens of the line; within 1.5x that it starts after 140 of others'
+
+    bound.computed(late, 10)  # its own tokens move nothing for it
+    bound.computed(other_tenant, 500)  # another line's
+    bound.computed(ahead, 80)
+    assert not bound.is_overdue(late)
+    bound.ended(ahead)
+    followed = make_request(60, 4, tenant_id="t")
+    bound.arrived(followed)
+    bound.computed(followed, 60)
+    assert bound.is_overdue(late)  # 140 of others' tokens computed since it arrived
+    assert not bound.is_overdue(followed)
 
 
 def test_hrrn_ages_a_long_request_under_a_stream_of_short_ones() -> None:

@@ -45,10 +45,12 @@ class Clock:
         return self.now
 
 
-def run_order(order: QueueOrderName, trace: list[TraceRequest], seed: int, aging_s: float) -> dict[str, Any]:
+def run_order(order: QueueOrderName, trace: list[TraceRequest], seed: int, aging_s: float,
+              fcfs_stretch: float = 0.0, max_num_seqs: int = 32) -> dict[str, Any]:
     clock = Clock()
     tenants = TenantRegistry([Tenant(TenantId(t)) for t in TENANTS], requires_auth=False)
-    config = SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=512, queue_order=order, queue_aging_s=aging_s,
+    config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=512, queue_order=order,
+                             queue_aging_s=aging_s, queue_fcfs_stretch=fcfs_stretch,
                              shaping=ShapingConfig(enabled=False))
     geometry = CacheGeometry(num_device_blocks=4096, num_cpu_blocks=0, block_size=16, bytes_per_block=1,
                              max_model_len=8192)
@@ -125,6 +127,9 @@ def add_command(subparsers: argparse._SubParsersAction[argparse.ArgumentParser])
     parser.add_argument("--load", type=float, default=1.3, help="offered work over what the executor serves")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--aging", type=float, default=90.0, help="the aging bound, seconds (hrrn, srpt, lpm)")
+    parser.add_argument("--fcfs-stretch", type=float, default=0.0,
+                        help="the bound against FCFS (scheduling/fcfs_bound.py; hrrn, srpt, lpm); 0: off")
+    parser.add_argument("--max-num-seqs", type=int, default=32, help="the scheduler's running sequences")
     parser.add_argument("--out", help="write the JSON report here")
     parser.set_defaults(handler=run_command)
 
@@ -132,7 +137,9 @@ def add_command(subparsers: argparse._SubParsersAction[argparse.ArgumentParser])
 def run_command(args: argparse.Namespace) -> int:
     trace = make_trace(args.duration, args.seed, args.load)
     report = {"duration_s": args.duration, "load": args.load, "seed": args.seed, "aging_s": args.aging,
-              "orders": {order: run_order(order, trace, args.seed, args.aging) for order in QUEUE_ORDERS}}
+              "fcfs_stretch": args.fcfs_stretch, "max_num_seqs": args.max_num_seqs,
+              "orders": {order: run_order(order, trace, args.seed, args.aging, args.fcfs_stretch, args.max_num_seqs)
+                         for order in QUEUE_ORDERS}}
     print(render(report))
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

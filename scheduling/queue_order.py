@@ -49,7 +49,7 @@ class OrderContext:
     cached_prefix_tokens: Callable[[Request], int]
     token_s: Callable[[], float]  # seconds per token of work, to weigh waiting against work (HRRN, slack)
     aging_s: float = 30.0
-    is_overdue: Callable[[Request], bool] = lambda request: False  # passed over long enough (fcfs_bound.py)
+    is_overdue: Callable[[Request], bool] | None = None  # passed over long enough (fcfs_bound.py); None: off
 
 
 class QueueOrder:
@@ -72,7 +72,8 @@ class QueueOrder:
         now = self.context.clock()
         if now - requests[0].arrival_time >= self.context.aging_s:
             return requests[0]  # aged: the oldest goes first
-        overdue = next((r for r in weighed if self.context.is_overdue(r)), None)
+        is_overdue = self.context.is_overdue
+        overdue = None if is_overdue is None else next((r for r in weighed if is_overdue(r)), None)
         if overdue is not None:
             return overdue  # the oldest of those passed over as far as they may be
         if self.name == "hrrn":
@@ -95,7 +96,7 @@ class QueueOrder:
         def rank(r: Request) -> tuple[int, float]:
             if r.ttft_deadline is not None:
                 return 0, self._slack(r)
-            if now - r.arrival_time >= self.context.aging_s or is_overdue(r):
+            if now - r.arrival_time >= self.context.aging_s or (is_overdue is not None and is_overdue(r)):
                 return 1, r.arrival_time
             if self.name == "hrrn":
                 return 2, -(now - r.arrival_time) / (max(work(r), 1.0) * token_s)

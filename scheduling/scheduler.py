@@ -131,7 +131,9 @@ class Scheduler:
         self.fcfs_bound = FcfsBound(config.queue_fcfs_stretch)
         self.order = QueueOrder(config.queue_order, OrderContext(clock, self._predicted_work,
                                                                  self._cached_prefix_tokens, self._token_s,
-                                                                 config.queue_aging_s, self.fcfs_bound.is_overdue))
+                                                                 config.queue_aging_s,
+                                                                 self.fcfs_bound.is_overdue if config.queue_fcfs_stretch
+                                                                 else None))
         self.waiting: dict[PriorityClass, RequestQueue] = {
             c: create_request_queue(config.queue_policy, self.vtc[c], self.order) for c in CLASSES}
         self.running: list[Request] = []

@@ -151,6 +151,7 @@ class Scheduler:
         self._arrivals_expected = False
         self._interactive_seen_by_tenant: dict[str, float] = {}  # when each tenant's interactive work last was
         self._tenants_share = False  # whether more than one tenant's interactive work is active or expected
+        self._computing_long_prompts: set[str] = set()  # tenants computing a long interactive prompt, while shared
         self.lora = LoraResidency(config.max_loras)
         self.speculator = None if config.speculation is None else Speculator(config.speculation)
 
@@ -418,6 +419,10 @@ class Scheduler:
             for tenant_id in [t for t, at in seen.items() if not self.shaper.expects_arrivals(now - at)]:
                 del seen[tenant_id]
         self._tenants_share = len(seen) > 1
+        self._computing_long_prompts = {
+            r.tenant_id for r in self.running if r.priority is PriorityClass.INTERACTIVE
+            and r.num_computed_tokens < r.num_prompt_tokens and self.shaper.is_long_prompt(r)
+        } if self._tenants_share else set()
 
     def _waits_its_turn(self, request: Request, num_new: int, step: StepBuilder) -> bool:
         """Whether a request did not start because it is a tenant's long prompt whose turn this step is not."""
@@ -426,15 +431,19 @@ class Scheduler:
     def _is_shared_long_prompt(self, request: Request, num_new: int) -> bool:
         """Whether this is a chunk of a long interactive prompt in steps other tenants' work shares, from a
         tenant that has had as much interactive service as one of them or more (its VTC counter is not the
-        lowest): shaped (see step_shaper.py). The tenant served least is never held back, nor is one tenant
-        alone: when every tenant sends long prompts they take turns by service, not all of them one step
-        in four. Ties are held back: a tenant newly backlogged is lifted to the others' counters."""
+        lowest), and that one computes no long prompt of its own: shaped (see step_shaper.py). The tenant
+        served least is never held back, nor is one tenant alone. Nor is anyone for a tenant computing a
+        long prompt: its steps are long with its own prompt already, and when every tenant sends long
+        prompts VTC shares the steps (turns by service had the mixed-length trace's documents wait twice as
+        long, docs/loadtest.md). Ties are held back: a tenant newly backlogged is lifted to the others'
+        counters."""
         if not (num_new > 1 and self._tenants_share and request.priority is PriorityClass.INTERACTIVE
                 and self.shaper.is_long_prompt(request)):
             return False
         vtc = self.vtc[PriorityClass.INTERACTIVE]
         counter = vtc.get(request.tenant_id)
-        return any(vtc.get(t) <= counter for t in self._interactive_seen_by_tenant if t != request.tenant_id)
+        return any(vtc.get(t) <= counter and t not in self._computing_long_prompts
+                   for t in self._interactive_seen_by_tenant if t != request.tenant_id)
 
     def _open_shaped_budget(self, step: StepBuilder, interactive_demand: InteractiveDemand,
                             opened_for: PriorityClass = PriorityClass.BATCH) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from benchmarks.fake_executors import FakeExecutor, LinearStepCost
 from contract.plan import StepPlan
-from scheduling.request import PriorityClass, Request
+from scheduling.request import PriorityClass, Request, RequestStatus
 from scheduling.scheduler import Scheduler, SchedulerConfig
 from scheduling.step_shaper import ShapingConfig
 from tests.factories import VirtualClock, make_request, make_scheduler
@@ -163,4 +163,29 @@ def test_the_tenant_served_least_is_not_held_back() -> None:
     served_least, served_more = sim.add(LONG_PROMPT, 1, "light"), sim.add(LONG_PROMPT, 1, "neighbour")
     plan, _ = sim.step()
     assert tokens_of(plan, [served_least]) == LONG_PROMPT and tokens_of(plan, [served_more]) == 0
+    assert all(not s.status.is_finished for s in streams)
+
+
+def test_no_long_prompt_is_held_back_while_the_tenant_served_less_computes_one_of_its_own() -> None:
+    """Both tenants send long prompts, as in the mixed-length trace: while the tenant served less computes
+    its own long prompt (its steps are long already), the other's is computed beside it, not held to
+    turns; once that prompt is done, the other's waits for its turns again."""
+    sim = TwoTenants()
+    streams = [sim.add(40, 400, tenant) for tenant in ("light", "neighbour")]
+    for _ in range(5):
+        sim.step()
+    sim.scheduler.vtc[INTERACTIVE].charge("neighbour", 10_000, 0)
+    own = sim.add(LONG_PROMPT * 6, 1, "light")  # computed over several steps
+    sim.step()
+    assert own.status is RequestStatus.RUNNING and own.num_computed_tokens < own.num_prompt_tokens
+    served_more = sim.add(LONG_PROMPT, 1, "neighbour")
+
+    plan, _ = sim.step()
+    assert tokens_of(plan, [served_more]) > 0
+
+    while not own.status.is_finished:
+        sim.step()
+    later = sim.add(LONG_PROMPT, 1, "neighbour")
+    plan, _ = sim.step()
+    assert tokens_of(plan, [later]) == 0  # back to its turns
     assert all(not s.status.is_finished for s in streams)

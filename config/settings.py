@@ -152,14 +152,13 @@ class Settings(BaseModel):
     enable_prefix_caching: bool = True
     queue_policy: Literal["vtc", "fcfs"] = "vtc"
     # Within each tenant's line under vtc (scheduling/queue_order.py): fcfs, hrrn (highest response ratio
-    # next), srpt (shortest predicted work first) or lpm (longest cached prefix first). hrrn by the mixed-length
-    # trace on the real server (docs/preemption.md).
-    queue_order: Literal["fcfs", "hrrn", "srpt", "lpm"] = "hrrn"
+    # next), srpt (shortest predicted work first) or lpm (longest cached prefix first). srpt with the FCFS
+    # bound by `fairlane bench queue-order` and the mixed-length trace on the real server (docs/preemption.md).
+    queue_order: Literal["fcfs", "hrrn", "srpt", "lpm"] = "srpt"
     # hrrn, srpt, lpm: a request goes first once its tenant's line has computed this many times the prompt
-    # tokens FCFS would have computed by its first token (scheduling/fcfs_bound.py); 0: off. Off by default:
-    # better than aging alone in the simulator, not (yet) on the real server (docs/preemption.md).
-    queue_fcfs_stretch: float = Field(default=0.0, ge=0)
-    queue_aging_s: float = Field(default=90.0, gt=0)  # hrrn, srpt, lpm: a request waiting this long goes first
+    # tokens FCFS would have computed by its first token (scheduling/fcfs_bound.py); 0: off.
+    queue_fcfs_stretch: float = Field(default=1.3, ge=0)
+    queue_aging_s: float = Field(default=300.0, gt=0)  # hrrn, srpt, lpm: a request waiting this long goes first
     vtc_prompt_weight: float = Field(default=1.0, gt=0)  # w_p, per prompt token computed
     vtc_decode_weight: float = Field(default=2.0, gt=0)  # w_q, per generated token
     cached_token_weight: float = Field(default=0.1, ge=0)  # share of w_p charged per cached prompt token

@@ -68,11 +68,11 @@ class SchedulerConfig:
     max_num_seqs: int = 64  # sequences in one step
     max_num_batched_tokens: int = 512  # tokens in one step, decodes and prefill chunks together
     queue_policy: str = "vtc"  # vtc (weighted fair per tenant) or fcfs
-    queue_order: QueueOrderName = "hrrn"  # within a tenant's line under vtc (scheduling/queue_order.py)
-    queue_aging_s: float = 90.0  # hrrn, srpt, lpm: a request waiting this long goes first
+    queue_order: QueueOrderName = "srpt"  # within a tenant's line under vtc (scheduling/queue_order.py)
+    queue_aging_s: float = 300.0  # hrrn, srpt, lpm: a request waiting this long goes first
     # hrrn, srpt, lpm: a request goes first once its tenant's line has computed this many times the prompt
     # tokens FCFS would have computed by its first token (scheduling/fcfs_bound.py); 0: off.
-    queue_fcfs_stretch: float = 0.0
+    queue_fcfs_stretch: float = 1.3
     # A running prompt's chunk while others of its class wait (vLLM's long_prefill_token_threshold): the
     # rest of the step is left to them, so a document does not take every step's budget while the
     # prompts behind it wait. None: a quarter of max_num_batched_tokens.

@@ -48,7 +48,7 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-cpu-loras", type=int, help="adapters kept read in CPU memory (default 2 x max-loras)")
     parser.add_argument("--max-lora-rank", type=int, help="the largest adapter rank served (default 16)")
     parser.add_argument("--queue-order", dest="queue_order", choices=["fcfs", "hrrn", "srpt", "lpm"],
-                        help="the order inside each tenant's line (default hrrn; docs/preemption.md)")
+                        help="the order inside each tenant's line (default srpt; docs/preemption.md)")
     parser.add_argument("--speculative-config", dest="speculative_config", metavar="JSON",
                         help='speculative decoding as vLLM takes it, e.g. \'{"method": "suffix", '
                              '"num_speculative_tokens": 4}\' (methods: ngram, suffix, draft_model with "model"); '

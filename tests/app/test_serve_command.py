@@ -25,14 +25,14 @@ def test_serve_flags_reach_the_settings() -> None:
                                       "--shutdown-grace-s", "1.5", "--default-max-tokens", "32",
                                       "--metrics-names", "vllm", "--otlp-traces-endpoint", "http://127.0.0.1:4318/v1/traces",
                                       "--max-queued-requests", "32", "--batch-queue-fraction", "0.5",
-                                      "--queue-order", "srpt"])
+                                      "--queue-order", "hrrn"])
     settings = settings_from_args(args, SERVE_FLAG_KEYS)
 
     assert (settings.model, settings.port, settings.max_num_seqs) == ("builtin:tiny", 0, 8)
     assert (settings.shutdown_grace_s, settings.default_max_tokens) == (1.5, 32)
     assert (settings.metrics_names, settings.otlp_traces_endpoint) == ("vllm", "http://127.0.0.1:4318/v1/traces")
     assert (settings.max_queued_requests, settings.batch_queue_fraction) == (32, 0.5)
-    assert settings.queue_order == "srpt"
+    assert settings.queue_order == "hrrn"
 
 
 def test_a_malformed_tenants_file_is_named_at_start_up(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -24,7 +24,7 @@ COST = LinearStepCost(overhead_s=0.005, per_token_s=0.001)
 class Line:
     """A scheduler that runs one sequence at a time, so the order it starts requests in is the line's."""
 
-    def __init__(self, order: str, max_num_seqs: int = 1, aging_s: float = 30.0, fcfs_stretch: float = 0.0) -> None:
+    def __init__(self, order: str, max_num_seqs: int = 1, aging_s: float = 30.0, fcfs_stretch: float = 1.3) -> None:
         self.clock = VirtualClock()
         config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=256, queue_order=order,  # type: ignore[arg-type]
                                  queue_aging_s=aging_s, queue_fcfs_stretch=fcfs_stretch,

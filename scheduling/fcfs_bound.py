@@ -57,6 +57,10 @@ class FcfsBound:
         self._remaining.pop(request.request_id, None)
         self._due_at.pop(request.request_id, None)
 
+    def __len__(self) -> int:
+        """The requests it tracks: the unfinished ones."""
+        return len(self._due_at)
+
     def is_overdue(self, request: Request) -> bool:
         due_at = self._due_at.get(request.request_id)
         return (self.stretch > 0 and due_at is not None

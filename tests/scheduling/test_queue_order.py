@@ -118,6 +118,11 @@ def test_a_long_request_is_passed_over_only_as_far_as_the_fcfs_bound_allows(orde
     assert started and 1 <= passed <= 8
 
 
+def test_the_fcfs_bound_forgets_every_request_that_ends() -> None:
+    line, _, _ = long_then_short("srpt")
+    assert not line.scheduler.has_work() and len(line.scheduler.fcfs_bound) == 0
+
+
 def test_without_the_fcfs_bound_srpt_passes_a_long_request_over_while_short_ones_come() -> None:
     passed, started = shorts_passing_a_long_request("srpt", 0.0)
     assert not started and passed == 25  # a short one every step, each running four steps

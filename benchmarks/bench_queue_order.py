@@ -126,10 +126,13 @@ def add_command(subparsers: argparse._SubParsersAction[argparse.ArgumentParser])
     parser.add_argument("--duration", type=float, default=300.0, help="virtual seconds of arrivals")
     parser.add_argument("--load", type=float, default=1.3, help="offered work over what the executor serves")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--aging", type=float, default=90.0, help="the aging bound, seconds (hrrn, srpt, lpm)")
-    parser.add_argument("--fcfs-stretch", type=float, default=0.0,
+    defaults = SchedulerConfig()  # the server's
+    parser.add_argument("--aging", type=float, default=defaults.queue_aging_s,
+                        help="the aging bound, seconds (hrrn, srpt, lpm)")
+    parser.add_argument("--fcfs-stretch", type=float, default=defaults.queue_fcfs_stretch,
                         help="the bound against FCFS (scheduling/fcfs_bound.py; hrrn, srpt, lpm); 0: off")
-    parser.add_argument("--max-num-seqs", type=int, default=32, help="the scheduler's running sequences")
+    parser.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs,
+                        help="the scheduler's running sequences")
     parser.add_argument("--out", help="write the JSON report here")
     parser.set_defaults(handler=run_command)
 

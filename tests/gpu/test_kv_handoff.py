@@ -74,10 +74,10 @@ def test_past_its_capacity_a_publisher_drops_its_oldest_blocks_and_keeps_republi
     sender.publish([(block_hash(0), block(0))])  # published again: the newest now
     sender.publish([(block_hash(i), block(i)) for i in (4, 5)])
     assert sender.wait_published([block_hash(i) for i in (0, 3, 4, 5)], timeout_s=10)
+    sender.close()  # finishes the queued deletes too: they come after the writes waited for
     receiver = FolderReceiver(tmp_path, CONFIG, SHAPE, torch.float32)
     kept = [i for i in range(6) if receive(receiver, sender.location, i) is not None]
     assert kept == [0, 3, 4, 5]
-    sender.close()
 
 
 def test_a_corrupt_file_is_refused(tmp_path: Path) -> None:

@@ -4,7 +4,7 @@ Ray: every request it tracks ends once, whoever cancels its replica call."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 
 from ray.serve import context as serve_context
 
@@ -13,6 +13,7 @@ from cluster.wire import ReplicaCall
 from contract.plan import CacheGeometry
 from scheduling.request import Request, RequestId, TokenEvent
 from tenancy.tenants import TenantRegistry
+from tests.factories import wait_until
 
 GEOMETRY = CacheGeometry(num_device_blocks=64, num_cpu_blocks=0, block_size=16, bytes_per_block=1024,
                          max_model_len=2048)
@@ -58,12 +59,6 @@ def ingress(handle: Handle) -> ClusterEngine:
                          report_max_age_s=10)
 
 
-async def until(condition: Callable[[], bool], timeout_s: float = 5.0) -> None:
-    async with asyncio.timeout(timeout_s):
-        while not condition():
-            await asyncio.sleep(0.001)
-
-
 def request(request_id: str) -> Request:
     return Request(RequestId(request_id), list(range(40)), 100)
 
@@ -92,7 +87,7 @@ async def test_a_closed_stream_ends_once_and_cancels_its_call() -> None:
     stream.close()
 
     assert engine.num_unfinished == 0
-    await until(lambda: handle.calls[0].cancelled)  # once the run's task takes its cancellation
+    await wait_until(lambda: handle.calls[0].cancelled, timeout=5)  # once the run's task takes its cancellation
 
 
 async def test_replica_calls_are_not_the_submitting_requests_children() -> None:

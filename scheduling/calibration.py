@@ -40,13 +40,17 @@ SHAPES = (
     StepShape(chunk_tokens=16), StepShape(chunk_tokens=64), StepShape(chunk_tokens=256),
     StepShape(chunk_tokens=64, chunk_start=256), StepShape(num_decodes=4, chunk_tokens=64),
 )
+# What the derived ITL target and the arrival budget are multiples of (scheduling/step_shaper.py): timed on its
+# own, between served steps, when the forward changed under load (a lone decode may not be served for minutes).
+LONE_DECODE = (StepShape(num_decodes=1),)
 
 
-def calibration_plans(blocks: KVBlockManager, max_tokens: int, max_seqs: int) -> Iterator[StepPlan]:
-    """Each calibration step that fits, REPEATS times; the blocks of a plan are the scheduler's again once
-    the caller asks for the next (or closes the iterator)."""
+def calibration_plans(blocks: KVBlockManager, max_tokens: int, max_seqs: int,
+                      shapes: tuple[StepShape, ...] = SHAPES) -> Iterator[StepPlan]:
+    """Each calibration step of `shapes` that fits, REPEATS times; the blocks of a plan are the scheduler's
+    again once the caller asks for the next (or closes the iterator)."""
     number = 0
-    for shape in _fitting(max_tokens, max_seqs):
+    for shape in _fitting(max_tokens, max_seqs, shapes):
         for _ in range(REPEATS):
             taken = _take_blocks(blocks, shape)
             if taken is None:
@@ -58,11 +62,11 @@ def calibration_plans(blocks: KVBlockManager, max_tokens: int, max_seqs: int) ->
             number += 1
 
 
-def _fitting(max_tokens: int, max_seqs: int) -> list[StepShape]:
+def _fitting(max_tokens: int, max_seqs: int, candidates: tuple[StepShape, ...]) -> list[StepShape]:
     """The shapes within the step's caps, the longest chunk cut to the token budget (the longest step
     served), each once."""
     shapes: list[StepShape] = []
-    for shape in SHAPES:
+    for shape in candidates:
         chunk = min(shape.chunk_tokens, max_tokens - shape.num_decodes)
         fitted = StepShape(shape.num_decodes, chunk, shape.chunk_start)
         if chunk < 0 or shape.num_decodes + bool(chunk) > max_seqs or fitted in shapes:

@@ -345,6 +345,7 @@ class Engine(EngineFront):
         # after the runner changes its forward. Off for fake executors whose virtual clocks tests read.
         self._calibrate = calibrate
         self._needs_calibration = calibrate
+        self._lone_decode_timed = False  # since the forward last changed (see _step)
         self._incoming: list[Request] = []
         self._to_finish: list[tuple[RequestId, RequestStatus]] = []
         self._to_fold: list[Mapping[str, Mapping[str, float]]] = []
@@ -488,6 +489,11 @@ class Engine(EngineFront):
     async def _step(self) -> None:
         if self._needs_calibration and self._may_calibrate():
             await self._run_calibration()
+        elif self._needs_calibration and self._may_time_lone_decode():
+            # Busy since the forward changed: the step shaper's targets are multiples of a lone decode, which
+            # a loaded server may not serve for minutes. Two decode steps now; the rest waits for an idle engine.
+            self._lone_decode_timed = True
+            await self._run_calibration(lone_decode_only=True)
         await self._wake.wait()
         self._command_arrived.clear()
         self._apply_commands()
@@ -506,7 +512,8 @@ class Engine(EngineFront):
             self._snapshot = self.scheduler.snapshot()
             return
         self.deliver(self.scheduler.update(plan, result))
-        self._needs_calibration = self._needs_calibration or (self._calibrate and result.forward_changed)
+        if self._calibrate and result.forward_changed:
+            self._needs_calibration, self._lone_decode_timed = True, False
         seconds = time.perf_counter() - started
         self.scheduler.observe_step_time(plan, seconds)
         self._snapshot = self.scheduler.snapshot()
@@ -520,13 +527,17 @@ class Engine(EngineFront):
         first step (forward_changed) asks for calibration again."""
         return not self.scheduler.has_work() and not getattr(self.executor, "awaits_compiled_forward", False)
 
-    async def _run_calibration(self) -> None:
-        """The calibration steps, each timed as the executor runs it. A failed one ends calibration: the
-        cost model then learns from the steps served, as it would without."""
-        self._needs_calibration = False
+    def _may_time_lone_decode(self) -> bool:
+        return (not self._lone_decode_timed and self.scheduler.lacks_lone_decode
+                and not getattr(self.executor, "awaits_compiled_forward", False))
+
+    async def _run_calibration(self, lone_decode_only: bool = False) -> None:
+        """The calibration steps (or only the lone decode's), each timed as the executor runs it. A failed one
+        ends calibration: the cost model then learns from the steps served, as it would without."""
+        self._needs_calibration = self._needs_calibration and lone_decode_only
         loop = asyncio.get_running_loop()
         started = time.perf_counter()
-        steps = self.scheduler.calibration_steps()
+        steps = self.scheduler.calibration_steps(lone_decode_only)
         try:
             for plan in steps:
                 step_started = time.perf_counter()
@@ -537,7 +548,8 @@ class Engine(EngineFront):
         finally:
             steps.close()
             self._snapshot = self.scheduler.snapshot()
-        logger.info("step cost model calibrated in %.2f s", time.perf_counter() - started)
+        logger.info("step cost model calibrated%s in %.2f s", " (a lone decode)" if lone_decode_only else "",
+                    time.perf_counter() - started)
 
     async def _wait_for_a_command(self, timeout_s: float) -> None:
         """After a step that could run nothing, wait for a command (a request, an abort) or a short

@@ -27,7 +27,7 @@ from scheduling.admission import AdmissionRule, Hold, RoomNow, Verdict
 from scheduling.block_manager import KVBlockManager
 from scheduling.cache_pins import CachePins
 from scheduling.cache_tiers import LowerTiers
-from scheduling.calibration import calibration_plans
+from scheduling.calibration import LONE_DECODE, SHAPES, calibration_plans
 from scheduling.fcfs_bound import FcfsBound
 from scheduling.interactive_room import NOTHING_OWED, RoomCount, RoomOwed, room_owed
 from scheduling.lora_residency import LoraResidency
@@ -887,19 +887,26 @@ class Scheduler:
                           request.num_prompt_tokens, request.num_output_tokens, request.num_cached_tokens,
                           logprobs=logprobs, prompt_logprobs=tuple(request.prompt_logprobs) if first else ())
 
-    def calibration_steps(self) -> Generator[StepPlan, None, None]:
+    def calibration_steps(self, lone_decode_only: bool = False) -> Generator[StepPlan, None, None]:
         """Timed steps for the cost model over free blocks (scheduling/calibration.py), one at a time: each
         one's blocks come back when the next is asked for. Run with no step in between."""
-        for plan in calibration_plans(self.blocks, self.config.max_num_batched_tokens, self.config.max_num_seqs):
+        shapes = LONE_DECODE if lone_decode_only else SHAPES
+        for plan in calibration_plans(self.blocks, self.config.max_num_batched_tokens, self.config.max_num_seqs,
+                                      shapes):
             yield plan
             self._finished_ids += [seq.request_id for seq in plan.sequences]  # the runner drops their state
 
     def observe_calibration(self, plan: StepPlan, seconds: float) -> None:
         self.shaper.cost_model.anchor(work_of(plan), seconds)
 
+    @property
+    def lacks_lone_decode(self) -> bool:
+        """Whether the cost model has no lone decode's time for the forward serving now."""
+        return self.shaper.cost_model.lone_decode_s is None
+
     def observe_step_time(self, plan: StepPlan, seconds: float) -> None:
         """How long the step of `plan` took, from schedule() to its events: the cost model learns from it."""
-        self.shaper.observe(plan, seconds)
+        self.shaper.observe(plan, seconds, self.clock())
 
     # ---- observation ----------------------------------------------------------------------
 

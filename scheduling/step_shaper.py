@@ -13,7 +13,11 @@ too, with at least one block each step so they progress), otherwise `interactive
 the predicted time of the interactive work alone (what the stream would see without batch work, plus
 a margin), and at least `interactive_itl_decodes` times a lone decode step's measured time: a few
 interactive streams then leave batch work a share of each step (their gap stays within that multiple
-of a lone stream's), where the slack alone would starve it. A tenant's own ITL target (`itl_target_ms`
+of a lone stream's), where the slack alone would starve it. The derived target holds on average: the room
+a step leaves unspent goes to the next ones, measured by the gaps the steps made (see `_settle`), so batch
+rows that a CPU's kernels take in groups still run; a fixed target bounds every step. The lone decode is
+measured: served, or timed on its own between served steps when the forward changed under load
+(scheduling/engine.py). A tenant's own ITL target (`itl_target_ms`
 in the tenants file) lowers the target of every step while one of its requests runs. A step that
 computes an interactive prompt is held to `interactive_ttft_slack` times its interactive work instead:
 the prompt's first token waits for no batch work, and the streams beside it wait for that prompt alone.
@@ -89,6 +93,12 @@ class StepShaper:
         self.counters = ShapingCounters()
         self._long_prompt_waits = 0  # steps a tenant's long prompt has waited since its last turn
         self._waited_in: StepBuilder | None = None
+        # Under the derived target, the streams' time their steps have left unspent (or overspent, below 0),
+        # measured; and the last step shaped under it, with its target and the most credit may reach: the
+        # step settles its account once it has run (see _settle).
+        self._credit_s = 0.0
+        self._unsettled: tuple[StepPlan, float, float] | None = None
+        self._last_step_end: float | None = None  # when the last step observed ended, on the scheduler's clock
 
     def shapes(self, request: Request) -> bool:
         """Whether this request's work takes from the shaped budget (and so opens it)."""
@@ -156,6 +166,7 @@ class StepShaper:
         step.shaping_decided = True
         coefficients = self.cost_model.coefficients
         if not may_shape or coefficients is None:
+            self._credit_s = 0.0
             return
         interactive = combined(work_of(step.plan, swaps=False), interactive_demand, len(step.plan.swap_out))
         predicted = coefficients.predict(interactive) + self.cost_model.residual(interactive.tokens)
@@ -166,6 +177,7 @@ class StepShaper:
             # arrivals are protected. The first batch chunk gets a block whatever the budget.
             step.shaped_time_left_s = step.prompt_time_left_s = max(0.0, arrival_budget - predicted)
             step.long_prompt_turn = True
+            self._credit_s = 0.0
         else:
             target = self._target_s(predicted)
             if tenant_target_s is not None:
@@ -175,8 +187,12 @@ class StepShaper:
             starts_a_prompt = _starts_a_prompt(step, interactive_demand)
             if self.config.interactive_itl_target_s is None and starts_a_prompt:
                 target = min(target, self.config.interactive_ttft_slack * predicted)
-            target = min(target, max(arrival_budget, predicted))
+            ceiling = max(arrival_budget, predicted)
+            target = min(target, ceiling)
             step.shaped_time_left_s = max(0.0, target - predicted)
+            if self._derives_target(tenant_target_s, starts_a_prompt):
+                step.shaped_time_left_s = max(0.0, min(target - predicted + self._credit_s, ceiling - predicted))
+                self._unsettled = (step.plan, target, ceiling - target)
             # Tenants' long prompts take turns: a step in long_prompt_every, up to the arrival budget (or the
             # tenant's target); the streams' other steps hold none of them. On a CPU a few prompt tokens
             # in every step would cost more: a step's first rows past a decode are its dearest.
@@ -193,6 +209,30 @@ class StepShaper:
         lone_decode_s = self.cost_model.lone_decode_s or 0.0
         return max(self.config.interactive_itl_slack * interactive_predicted_s,
                    self.config.interactive_itl_decodes * lone_decode_s)
+
+    def _derives_target(self, tenant_target_s: float | None, starts_a_prompt: bool) -> bool:
+        """Whether the step's target is the derived one, an average the streams' gaps keep: not a fixed
+        target (the server's or a tenant's, a bound on every step), nor a step starting a prompt (its
+        first token waits for no batch work)."""
+        return self.config.interactive_itl_target_s is None and tenant_target_s is None and not starts_a_prompt
+
+    def _settle(self, plan: StepPlan, gap_s: float) -> None:
+        """Once a step shaped under the derived target has run: the streams' gap it made (its time, or the
+        time since the step before it ended when longer: events delivered and streams written between steps
+        are the streams' wait too) against its target goes to the streams' credit.
+
+        A CPU's kernels take decode rows in groups: on the default model here a fifth row costs as much as
+        the fifth to the eighth together (4 rows 15 ms, 5 rows 26 ms, 8 rows 27.5 ms), more than a step's
+        room, and batch work beside four streams never ran (0 tokens/s). With the room steps leave unspent
+        carried over, one step in a few holds a group of batch rows. Measured, not predicted: steps that ran
+        past their prediction hold the next steps' batch work back. The streams' gaps keep the target on
+        average, and no step is predicted past the arrival budget. Debt is forgiven past one target's worth
+        (a collector's pause must not stop batch work for long)."""
+        unsettled, self._unsettled = self._unsettled, None
+        if unsettled is None or unsettled[0] is not plan:
+            return
+        _, target, most = unsettled
+        self._credit_s = min(max(self._credit_s + target - gap_s, -target), most)
 
     def fit(self, step: StepBuilder, request: Request, wanted: int, swap_in_blocks: int = 0,
             long_prompt: bool = False) -> int:
@@ -248,8 +288,10 @@ class StepShaper:
             return min(wanted, max(0, step.batch_floor_tokens - step.batch_tokens))
         return min(wanted, self.block_size)
 
-    def observe(self, plan: StepPlan, seconds: float) -> None:
-        """Feed the model a step the executor ran: what it held, and how long it took."""
+    def observe(self, plan: StepPlan, seconds: float, now: float | None = None) -> None:
+        """Feed the model a step the executor ran: what it held, how long it took, and when it ended."""
+        last_end, self._last_step_end = self._last_step_end, now
+        self._settle(plan, seconds if now is None or last_end is None else max(seconds, now - last_end))
         if plan.sequences:
             self.cost_model.observe(work_of(plan), seconds)
 

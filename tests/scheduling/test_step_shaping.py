@@ -158,11 +158,20 @@ def shaped_steps(sim: Simulation, num_interactive: int = 6) -> list[tuple[StepPl
     return records
 
 
-def test_predicted_step_time_stays_within_the_derived_target_while_interactive_is_active() -> None:
-    records = shaped_steps(Simulation(ShapingConfig(interactive_itl_slack=1.25)))
+def test_step_time_keeps_the_derived_target_on_average_while_interactive_is_active() -> None:
+    """The derived target (here 1.25 times the interactive work, or two lone decodes) holds on average over
+    the steps the streams share, the room one step leaves going to the next; no step in which they
+    decode passes the arrival budget."""
+    sim = Simulation(ShapingConfig(interactive_itl_slack=1.25))
+    records = shaped_steps(sim)
     assert len(records) > 50
-    for _, total, alone, _ in records:
-        assert total <= 1.25 * alone * (1 + 1e-9)
+    shaper = sim.scheduler.shaper
+    lone_s = shaper.arrival_budget_s() / shaper.config.arrival_budget_decodes
+    targets = [max(1.25 * alone, 2 * lone_s) for _, _, alone, _ in records]
+    assert sum(total for _, total, _, _ in records) <= sum(targets) * 1.02
+    decode_steps = [total for plan, total, _, _ in records if sim.interactive_work(plan).tokens
+                    == sim.interactive_work(plan).sequences]
+    assert decode_steps and max(decode_steps) <= 4 * lone_s * (1 + 1e-9)
     assert sum(batch for *_, batch in records) > 0  # batch was slowed down, not stopped
     assert max(batch for *_, batch in records) < 12  # and it could have run all 12 decodes otherwise
 
@@ -250,3 +259,48 @@ def test_the_cost_model_follows_a_step_that_is_not_one_line() -> None:
         assert model.predict(work_of(plan)) == pytest.approx(truth.seconds(plan), rel=0.10), num_tokens
     lone = plan_of_tokens(1)
     assert model.coefficients.predict(work_of(lone)) > 1.3 * truth.seconds(lone)  # the line alone misses it
+
+
+@dataclass(slots=True, frozen=True)
+class GroupedRowsCost:
+    """A CPU's packed kernels taking rows in groups of four, as the default model's int4 ones do here
+    (4 rows 15 ms, 5 rows 26 ms, 8 rows 27.5 ms): a fifth row costs as much as a whole group."""
+
+    def seconds(self, plan: StepPlan) -> float:
+        if not plan.sequences:
+            return 0.0
+        rows = plan.num_tokens
+        groups = -(-rows // 4)
+        linear = 0.010 + 0.0012 * rows + 0.0105 * (groups - 1) if rows <= 16 else 0.020 + 0.0018 * rows
+        return linear + 0.004 + 0.0003 * len(plan.sequences)
+
+
+def test_batch_rows_taken_in_groups_still_run_beside_four_streams() -> None:
+    """Four streams decode beside a batch backlog on kernels that take rows in groups of four. A fifth row
+    costs more than one step's room under the derived target (two lone decodes), so a bound on every step
+    would never let batch run; with the room carried over, one step in a few holds a group of batch rows,
+    and the streams' steps keep the target on average."""
+    sim = Simulation(ShapingConfig())
+    sim.executor.costs = GroupedRowsCost()
+    for plan in sim.scheduler.calibration_steps():
+        sim.scheduler.observe_calibration(plan, GroupedRowsCost().seconds(plan))
+    streams = [make_request(16, 400, priority=INTERACTIVE, tenant_id=f"s{i}") for i in range(4)]
+    for stream in streams:
+        sim.scheduler.add_request(stream)
+    for _ in range(20):
+        sim.top_up_batch()
+        sim.step()
+    lone_decode_s = sim.scheduler.shaper.cost_model.lone_decode_s
+    assert lone_decode_s is not None and all(s.num_output_tokens > 1 for s in streams)
+    seconds, batch_decodes = [], 0
+    for _ in range(200):
+        sim.top_up_batch()
+        plan = sim.step()
+        seconds.append(GroupedRowsCost().seconds(plan))
+        batch_decodes += sum(1 for seq in plan.sequences if seq.request_id not in {s.request_id for s in streams}
+                             and len(seq.token_ids) == 1)
+    assert all(not s.status.is_finished for s in streams)
+    assert batch_decodes >= 100  # at least a row every other step on average
+    assert sum(seconds) / len(seconds) <= 2 * lone_decode_s * 1.05
+    assert max(seconds) <= 4 * lone_decode_s * 1.05
+

@@ -166,7 +166,9 @@ def test_step_time_keeps_the_derived_target_on_average_while_interactive_is_acti
     records = shaped_steps(sim)
     assert len(records) > 50
     shaper = sim.scheduler.shaper
-    lone_s = shaper.arrival_budget_s() / shaper.config.arrival_budget_decodes
+    arrival_budget_s = shaper.arrival_budget_s()
+    assert arrival_budget_s is not None
+    lone_s = arrival_budget_s / shaper.config.arrival_budget_decodes
     targets = [max(1.25 * alone, 2 * lone_s) for _, _, alone, _ in records]
     assert sum(total for _, total, _, _ in records) <= sum(targets) * 1.02
     decode_steps = [total for plan, total, _, _ in records if sim.interactive_work(plan).tokens

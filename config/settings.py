@@ -138,6 +138,10 @@ class Settings(BaseModel):
     interactive_itl_target_ms: float | None = Field(default=None, gt=0)  # fixed; None: derived as below
     interactive_itl_slack: float = Field(default=1.1, ge=1.0)  # target = this x the interactive work's own time,
     interactive_itl_decodes: float = Field(default=2.0, ge=0.0)  # and at least this x a lone decode step's time
+    # Another tenant's batch work beside a tenant's interactive requests: each step held to this x a lone decode
+    # step (or the slack's target, if higher), never carried over: one tenant's batch does not take another's
+    # streams to interactive_itl_decodes (scheduling/step_shaper.py).
+    interactive_itl_decodes_cross_tenant: float = Field(default=1.3, ge=0.0)
     interactive_ttft_slack: float = Field(default=1.0, ge=1.0)  # a step with an interactive prompt: this x its time
     # While interactive requests may arrive (one was unfinished in the last arrival_window_s seconds; unset:
     # always), no step is predicted longer than the arrival budget, so an arriving request waits at most

@@ -457,7 +457,14 @@ class Scheduler:
         if not (long_prompt or self.shaper.shapes(request)) or not self._may_shape():
             return num_new
         self._open_shaped_budget(step, interactive_demand, request.priority)
-        return self.shaper.fit(step, request, num_new, swap_in_blocks, long_prompt)
+        return self.shaper.fit(step, request, num_new, swap_in_blocks, long_prompt, self._is_cross_tenant(request))
+
+    def _is_cross_tenant(self, request: Request) -> bool:
+        """Whether this is batch work beside another tenant's interactive requests (unfinished ones)."""
+        if request.priority is not PriorityClass.BATCH:
+            return False
+        tenants = self.load.backlogged(PriorityClass.INTERACTIVE)
+        return len(tenants) > 1 or (len(tenants) == 1 and request.tenant_id not in tenants)
 
     def _schedule_running(self, step: StepBuilder, interactive_demand: InteractiveDemand) -> bool:
         """Interactive before batch, decodes before prefill chunks. Running batch work leaves

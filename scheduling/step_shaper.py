@@ -66,6 +66,7 @@ class ShapingConfig:
     interactive_itl_target_s: float | None = None  # a fixed target; None derives it from the interactive work
     interactive_itl_slack: float = 1.1  # the derived target: this times the interactive work's predicted time,
     interactive_itl_decodes: float = 2.0  # and at least this times a lone decode step's measured time
+    interactive_itl_decodes_cross_tenant: float = 1.3  # the same, per step, for batch work of another tenant
     interactive_ttft_slack: float = 1.0  # a step starting an interactive prompt: this times its interactive work
     arrival_budget_s: float | None = None  # a fixed arrival budget; None derives it as below
     arrival_budget_decodes: float = 4.0  # the derived budget: this times a lone decode step's measured time
@@ -190,6 +191,7 @@ class StepShaper:
             ceiling = max(arrival_budget, predicted)
             target = min(target, ceiling)
             step.shaped_time_left_s = max(0.0, target - predicted)
+            step.cross_tenant_time_left_s = max(0.0, min(target, self._cross_tenant_target_s(predicted)) - predicted)
             if self._derives_target(tenant_target_s, starts_a_prompt):
                 step.shaped_time_left_s = max(0.0, min(target - predicted + self._credit_s, ceiling - predicted))
                 self._unsettled = (step.plan, target, ceiling - target)
@@ -209,6 +211,14 @@ class StepShaper:
         lone_decode_s = self.cost_model.lone_decode_s or 0.0
         return max(self.config.interactive_itl_slack * interactive_predicted_s,
                    self.config.interactive_itl_decodes * lone_decode_s)
+
+    def _cross_tenant_target_s(self, interactive_predicted_s: float) -> float:
+        """What a step may take with another tenant's batch work in it: one tenant's batch must not slow
+        another tenant's streams as far as the derived target lets work beside them (the default model's
+        batch flood took a light tenant's ITL p50 to 1.5x, docs/loadtest.md). Per step, never carried."""
+        lone_decode_s = self.cost_model.lone_decode_s or 0.0
+        return max(self.config.interactive_itl_slack * interactive_predicted_s,
+                   self.config.interactive_itl_decodes_cross_tenant * lone_decode_s)
 
     def _derives_target(self, tenant_target_s: float | None, starts_a_prompt: bool) -> bool:
         """Whether the step's target is the derived one, an average the streams' gaps keep: not a fixed
@@ -235,13 +245,18 @@ class StepShaper:
         self._credit_s = min(max(self._credit_s + target - gap_s, -target), most)
 
     def fit(self, step: StepBuilder, request: Request, wanted: int, swap_in_blocks: int = 0,
-            long_prompt: bool = False) -> int:
+            long_prompt: bool = False, cross_tenant: bool = False) -> int:
         """How many of the wanted tokens the request may compute in this step, and take their time. A
-        tenant's `long_prompt` takes only in its turn, from the time turns have (see open_budget)."""
+        tenant's `long_prompt` takes only in its turn, from the time turns have (see open_budget); a
+        `cross_tenant` request (batch work beside another tenant's interactive requests) only from the time
+        left under the cross-tenant target."""
         coefficients, shaped_left = self.cost_model.coefficients, step.shaped_time_left_s
         if shaped_left is None or coefficients is None or wanted <= 0:
             return wanted
         time_left = shaped_left
+        cross_left = step.cross_tenant_time_left_s
+        if cross_tenant and cross_left is not None:
+            time_left = min(time_left, cross_left)
         if long_prompt:
             if not step.long_prompt_turn:  # it waits: the streams' step holds none of it
                 self._note_long_prompt_wait(step)
@@ -263,6 +278,8 @@ class StepShaper:
         if granted:
             spent = cost(granted)
             step.shaped_time_left_s = max(0.0, shaped_left - spent)
+            if cross_left is not None:
+                step.cross_tenant_time_left_s = max(0.0, cross_left - spent)
             if long_prompt:
                 self._long_prompt_waits = 0
                 step.prompt_time_left_s = max(0.0, time_left - spent)

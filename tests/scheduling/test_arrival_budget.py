@@ -196,7 +196,7 @@ def test_a_new_prompt_beside_four_streams_and_a_flood_starts_at_once_and_the_str
     decodes); the steps the streams share keep their ITL target (twice a lone decode here) on average, and
     none passes the arrival budget (four lone decodes)."""
     flood = Flood(ShapingConfig(arrival_window_s=None))
-    streams = [make_request(16, 200, priority=INTERACTIVE, tenant_id=f"s{i}") for i in range(4)]
+    streams = [make_request(16, 200, priority=INTERACTIVE) for _ in range(4)]
     for stream in streams:
         flood.scheduler.add_request(stream)
     for _ in range(10):

@@ -534,7 +534,8 @@ class Engine(EngineFront):
     async def _run_calibration(self, lone_decode_only: bool = False) -> None:
         """The calibration steps (or only the lone decode's), each timed as the executor runs it. A failed one
         ends calibration: the cost model then learns from the steps served, as it would without."""
-        self._needs_calibration = self._needs_calibration and lone_decode_only
+        if not lone_decode_only:
+            self._needs_calibration = False  # a lone decode alone leaves the rest for an idle engine
         loop = asyncio.get_running_loop()
         started = time.perf_counter()
         steps = self.scheduler.calibration_steps(lone_decode_only)

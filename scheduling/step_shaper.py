@@ -190,10 +190,12 @@ class StepShaper:
                 target = min(target, self.config.interactive_ttft_slack * predicted)
             ceiling = max(arrival_budget, predicted)
             target = min(target, ceiling)
-            step.shaped_time_left_s = max(0.0, target - predicted)
-            step.cross_tenant_time_left_s = max(0.0, min(target, self._cross_tenant_target_s(predicted)) - predicted)
-            if self._derives_target(tenant_target_s, starts_a_prompt):
-                step.shaped_time_left_s = max(0.0, min(target - predicted + self._credit_s, ceiling - predicted))
+            derived = self._derives_target(tenant_target_s, starts_a_prompt)
+            credit_s = self._credit_s if derived else 0.0  # a fixed target bounds every step: nothing carried
+            step.shaped_time_left_s = max(0.0, min(target - predicted + credit_s, ceiling - predicted))
+            cross_tenant_target = self._derived_target_s(predicted, self.config.interactive_itl_decodes_cross_tenant)
+            step.cross_tenant_time_left_s = max(0.0, min(target, cross_tenant_target) - predicted)
+            if derived:
                 self._unsettled = (step.plan, target, ceiling - target)
             # Tenants' long prompts take turns: a step in long_prompt_every, up to the arrival budget (or the
             # tenant's target); the streams' other steps hold none of them. On a CPU a few prompt tokens
@@ -208,17 +210,16 @@ class StepShaper:
         fixed = self.config.interactive_itl_target_s
         if fixed is not None:
             return fixed
-        lone_decode_s = self.cost_model.lone_decode_s or 0.0
-        return max(self.config.interactive_itl_slack * interactive_predicted_s,
-                   self.config.interactive_itl_decodes * lone_decode_s)
+        return self._derived_target_s(interactive_predicted_s, self.config.interactive_itl_decodes)
 
-    def _cross_tenant_target_s(self, interactive_predicted_s: float) -> float:
-        """What a step may take with another tenant's batch work in it: one tenant's batch must not slow
-        another tenant's streams as far as the derived target lets work beside them (the default model's
-        batch flood took a light tenant's ITL p50 to 1.5x, docs/loadtest.md). Per step, never carried."""
+    def _derived_target_s(self, interactive_predicted_s: float, lone_decodes: float) -> float:
+        """The slack's target, or `lone_decodes` lone decode steps if longer. With `interactive_itl_decodes`
+        the streams' own target; with `interactive_itl_decodes_cross_tenant`, what a step may take with
+        another tenant's batch work in it, per step and never carried: one tenant's batch must not slow
+        another tenant's streams as far as the derived target lets work beside them (a neighbour's batch
+        flood took a light tenant's ITL p50 to 1.5x, docs/loadtest.md)."""
         lone_decode_s = self.cost_model.lone_decode_s or 0.0
-        return max(self.config.interactive_itl_slack * interactive_predicted_s,
-                   self.config.interactive_itl_decodes_cross_tenant * lone_decode_s)
+        return max(self.config.interactive_itl_slack * interactive_predicted_s, lone_decodes * lone_decode_s)
 
     def _derives_target(self, tenant_target_s: float | None, starts_a_prompt: bool) -> bool:
         """Whether the step's target is the derived one, an average the streams' gaps keep: not a fixed

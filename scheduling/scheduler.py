@@ -152,6 +152,9 @@ class Scheduler:
         self._interactive_seen_by_tenant: dict[str, float] = {}  # when each tenant's interactive work last was
         self._tenants_share = False  # whether more than one tenant's interactive work is active or expected
         self._computing_long_prompts: set[str] = set()  # tenants computing a long interactive prompt, while shared
+        self._streams_decoding = False  # whether this step decodes interactive requests (see _spaces_prompt)
+        self._short_step = False  # whether this step's running work is predicted within the arrival budget
+        self._prompt_started_step = -2  # the step that last started an interactive prompt that stalls streams
         self.lora = LoraResidency(config.max_loras)
         self.speculator = None if config.speculation is None else Speculator(config.speculation)
 
@@ -236,7 +239,9 @@ class Scheduler:
         self._expire_pins()
         self._note_interactive_traffic()
         step = self._fill(plan)
-        if step is not None and self.speculator is not None:
+        # No proposals in a step that starts a prompt stalling the streams: beside it they look cheap, but
+        # the streams they move a few tokens on drift together again (see _spaces_prompt).
+        if step is not None and self.speculator is not None and self._prompt_started_step != self.counters.num_steps:
             self._speculate(step, self.speculator)
         plan.tier_copies = self.blocks.take_tier_copies()  # every allocation of the step is made
         return plan
@@ -256,6 +261,7 @@ class Scheduler:
         if self._schedule_running(step, interactive_demand):
             return None  # bringing work in right after pushing work out would only thrash
         self._open_shaped_budget(step, interactive_demand)
+        self._short_step = bool(len(self.waiting[PriorityClass.INTERACTIVE])) and self._is_short(step.plan)
         # Room made for interactive requests is theirs in this very plan (the runner swaps out before
         # the forward); batch work waits for the next step. What must stay true: every swap-out of a
         # plan is decided before any swap-in, so no CPU block is freed and reused within one plan.
@@ -476,6 +482,7 @@ class Scheduler:
         them back), a request whose blocks already have room (15 decodes in 16) needs no call to the
         block manager beyond reading its table, and a preempted request is skipped by its status."""
         ordered, num_interactive_decodes = self._running_in_order()
+        self._streams_decoding = num_interactive_decodes > 0
         reserve = step.batch_floor_tokens
         preempted = False
         first_general = 0
@@ -621,12 +628,45 @@ class Scheduler:
                 if verdict.hold is Hold.TENANT or (not swapped and self.blocks.read_from_disk(request)):
                     passed_over.add(request.tenant_id)
                     continue
+                if not swapped and self._spaces_prompt(request, verdict.num_new):
+                    return False
                 started = self._resume(request, verdict, step) if swapped else self._admit(request, step)
+                if started and not swapped and self._stalls_streams(request, verdict.num_new):
+                    self._prompt_started_step = self.counters.num_steps
                 if not started and self._waits_its_turn(request, verdict.num_new, step):
                     passed_over.add(request.tenant_id)  # the other tenants' prompts are not held behind it
                 elif not started:
                     return False
         return True
+
+    def _spaces_prompt(self, request: Request, num_new: int) -> bool:
+        """Whether an interactive prompt waits so as not to start beside another, or right behind one while
+        streams decode, in steps otherwise short. A prompt that costs more than a lone decode stalls every
+        stream's step alike, so prompts started together, or a step apart, leave their streams a token
+        apart: with replies of equal length they end together and send their next prompts together again,
+        each waiting for the others' prompt steps (closed-loop streams so locked read 3.2x a lone first
+        token). Started one at a time with a decode step between, the streams end two steps apart, and
+        each next prompt arrives while no other is computed; prompts that arrive together also get their
+        first tokens sooner on average than computed together. In steps long already (many rows, or a long
+        prompt's chunk: a line past capacity) a step's wait would cost more than it keeps apart."""
+        started, now = self._prompt_started_step, self.counters.num_steps
+        return (self._short_step and (started == now or (started == now - 1 and self._streams_decoding))
+                and self._stalls_streams(request, num_new))
+
+    def _stalls_streams(self, request: Request, num_new: int) -> bool:
+        """Whether this is an interactive prompt whose num_new tokens cost more than a lone decode step: a step
+        computing it stalls the streams. None does while no lone decode is measured."""
+        if request.priority is not PriorityClass.INTERACTIVE:
+            return False
+        lone_decode_s = self.shaper.cost_model.lone_decode_s
+        return lone_decode_s is not None and num_new * self._token_s() > lone_decode_s
+
+    def _is_short(self, plan: StepPlan) -> bool:
+        """Whether the plan's work so far is predicted within the arrival budget (none is while the cost
+        model has no coefficients)."""
+        budget_s = self.shaper.arrival_budget_s()
+        predicted_s = None if budget_s is None else self.shaper.cost_model.predict(work_of(plan, swaps=False))
+        return predicted_s is not None and budget_s is not None and predicted_s <= budget_s
 
     def _not_running_in_order(self, priority: PriorityClass, passed_over: Container[str]) -> Iterator[Request]:
         """The class's swapped requests, then its waiting ones as the queue offers them. A waiting request

@@ -215,3 +215,44 @@ def test_a_new_prompt_beside_four_streams_and_a_flood_starts_at_once_and_the_str
     assert chat.num_output_tokens == 1  # the next step
     assert sum(r.num_computed_tokens for r in flood.batch) == batch_before  # nothing rode along with it
     assert seconds == pytest.approx(COST.seconds(_tokens(4 + chat.num_prompt_tokens)), rel=0.01)
+
+
+def test_closed_loop_streams_started_together_come_apart_and_stay_apart() -> None:
+    """Four closed-loop streams of equal replies, their first prompts sent at once: a prompt step stalls
+    every stream alike, so streams whose prompts start together, or a step apart, end together and send
+    their next prompts together again, each waiting for the others' prompt steps (a lone first token 3.2x
+    over on the real server). With a decode step between prompt starts they come apart within a cycle,
+    and from then on each prompt is computed alone, its first token within 1.5x of a lone request's."""
+    clock = VirtualClock()
+    scheduler = make_scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256), num_device_blocks=512)
+    scheduler.clock = clock
+    executor = FakeExecutor(scheduler.geometry, COST)
+    for plan in scheduler.calibration_steps():
+        scheduler.observe_calibration(plan, COST.seconds(plan))
+    rng = random.Random(5)
+    sent: dict[str, float] = {}
+    first_tokens: list[tuple[float, float]] = []  # (when, TTFT)
+
+    def send() -> Request:
+        request = make_request([rng.randrange(1, 500) for _ in range(40)], 24, priority=INTERACTIVE)
+        scheduler.add_request(request)
+        sent[request.request_id] = clock.now
+        return request
+
+    streams = [send() for _ in range(4)]
+    while clock.now < 30.0:
+        plan = scheduler.schedule()
+        seconds = COST.seconds(plan)
+        scheduler.update(plan, executor.execute(plan))
+        scheduler.observe_step_time(plan, seconds)
+        clock.now += seconds
+        for index, stream in enumerate(streams):
+            if stream.num_output_tokens == 1 and stream.request_id in sent:
+                first_tokens.append((clock.now, clock.now - sent.pop(stream.request_id)))
+            if stream.status.is_finished:
+                streams[index] = send()
+    lone_ttft_s = COST.seconds(_tokens(40))
+    settled = sorted(ttft for when, ttft in first_tokens if when > 10.0)
+    assert len(settled) > 100
+    assert settled[len(settled) // 2] <= 1.5 * lone_ttft_s, (settled[len(settled) // 2], lone_ttft_s)
+    assert settled[-1] <= 2.0 * lone_ttft_s  # none waits for another's prompt step

@@ -218,7 +218,8 @@ def test_no_proposal_once_the_step_is_compute_bound() -> None:
 
 def speculated_share(costs: LinearStepCost, num_requests: int) -> float:
     """Copying requests decoding together, the cost model calibrated on `costs` and fed each step's time: the
-    share of their decodes that verified proposals."""
+    share of their decodes that verified proposals, in steps computing no prompt (the prompts start a step
+    or two apart, Scheduler._spaces_prompt)."""
     scheduler = make_scheduler(SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=512, speculation=NGRAM,
                                                shaping=ShapingConfig(enabled=False)), num_device_blocks=2048)
     for plan in scheduler.calibration_steps():
@@ -231,7 +232,9 @@ def speculated_share(costs: LinearStepCost, num_requests: int) -> float:
     while scheduler.has_work():
         plan, _ = run_step(scheduler, executor)
         scheduler.observe_step_time(plan, costs.seconds(plan))
-        steps = [seq for seq in plan.sequences if seq.needs_sample and seq.start_position >= 16]
+        if any(seq.start_position < 16 for seq in plan.sequences):
+            continue
+        steps = [seq for seq in plan.sequences if seq.needs_sample]
         decodes += len(steps)
         verifying += sum(1 for seq in steps if seq.num_draft_tokens)
     return verifying / decodes
@@ -266,3 +269,29 @@ def test_interactive_decodes_take_the_budget_for_proposals_before_batch_ones() -
     assert both_decoding >= 10
     assert drafts[interactive.request_id] > 20
     assert drafts[batch.request_id] == 0
+
+
+def test_no_proposals_are_verified_in_a_step_that_starts_a_prompt_beside_the_streams() -> None:
+    """A copying stream verifies proposals in its decode steps, but not in the step that computes another
+    request's new prompt: beside a long prompt step they look cheap, yet the tokens they win move streams
+    a step on, and closed-loop streams so moved drift into sending their prompts together."""
+    costs = LinearStepCost(overhead_s=0.020, per_token_s=0.0005)
+    scheduler = make_scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=512, speculation=NGRAM,
+                                               shaping=ShapingConfig(enabled=False)), num_device_blocks=1024)
+    for plan in scheduler.calibration_steps():
+        scheduler.observe_calibration(plan, costs.seconds(plan))
+    stream = copy_request(16, 200)
+    executor = CopyingExecutor(scheduler, {stream.request_id: list(stream.prompt_token_ids)})
+    scheduler.add_request(stream)
+    drafts_alone = 0
+    for _ in range(10):
+        plan, _ = run_step(scheduler, executor)
+        scheduler.observe_step_time(plan, costs.seconds(plan))
+        drafts_alone += sum(seq.num_draft_tokens for seq in plan.sequences)
+    assert drafts_alone > 0
+
+    scheduler.add_request(make_request(prompt_tokens(200, salt=99), 4))
+    plan, _ = run_step(scheduler, executor)
+    assert [len(seq.token_ids) for seq in plan.sequences] == [1, 200]  # the stream's decode, without proposals
+    plan, _ = run_step(scheduler, executor)
+    assert any(seq.num_draft_tokens for seq in plan.sequences)  # and in the next step, with them again

@@ -21,9 +21,9 @@ LONG_PROMPT = 520
 class TwoTenants:
     """A scheduler fed its step times on a virtual clock, as the engine feeds real ones."""
 
-    def __init__(self, shaping: ShapingConfig | None = None) -> None:
+    def __init__(self, shaping: ShapingConfig | None = None, max_num_batched_tokens: int = 2048) -> None:
         self.clock = VirtualClock()
-        config = SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=2048,
+        config = SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=max_num_batched_tokens,
                                  shaping=shaping or ShapingConfig(arrival_window_s=10.0))
         self.scheduler: Scheduler = make_scheduler(config, num_device_blocks=4096, max_model_len=4096)
         self.scheduler.clock = self.clock
@@ -170,7 +170,7 @@ def test_no_long_prompt_is_held_back_while_the_tenant_served_less_computes_one_o
     """Both tenants send long prompts, as in the mixed-length trace: while the tenant served less computes
     its own long prompt (its steps are long already), the other's is computed beside it, not held to
     turns; once that prompt is done, the other's waits for its turns again."""
-    sim = TwoTenants()
+    sim = TwoTenants(max_num_batched_tokens=1024)  # its own prompt is computed over four steps
     streams = [sim.add(40, 400, tenant) for tenant in ("light", "neighbour")]
     for _ in range(5):
         sim.step()
@@ -178,6 +178,7 @@ def test_no_long_prompt_is_held_back_while_the_tenant_served_less_computes_one_o
     own = sim.add(LONG_PROMPT * 6, 1, "light")  # computed over several steps
     sim.step()
     assert own.status is RequestStatus.RUNNING and own.num_computed_tokens < own.num_prompt_tokens
+    sim.step()  # no prompt starts right behind another beside streams (Scheduler._spaces_prompt)
     served_more = sim.add(LONG_PROMPT, 1, "neighbour")
 
     plan, _ = sim.step()

@@ -133,10 +133,15 @@ def test_the_decode_replica_receives_the_prompts_full_blocks(servers: tuple[Clus
     prompt = "A prompt of its own, never sent before this test. " * 5
     before = settled(cluster, "decode")
     _, usage = stream_text(cluster, prompt)
-    after = handoffs_after(cluster, "decode", "received", before["handoff"]["received"] + 1)
+    handoffs_after(cluster, "decode", "received", before["handoff"]["received"] + 1)
     full_blocks = usage.prompt_tokens // BLOCK
+    # A report can count the handoff and not yet the admission that hit its blocks: wait for both.
+    hits_before = before["prefix_cache"]["hit_tokens"]
+    wait_for(lambda: replica(cluster, "decode")["prefix_cache"]["hit_tokens"] > hits_before, timeout=10,
+             interval=0.1, what="the decode replica's report of the prefix hit")
+    after = replica(cluster, "decode")
     assert after["handoff"]["blocks_received"] - before["handoff"]["blocks_received"] == full_blocks
-    assert after["prefix_cache"]["hit_tokens"] - before["prefix_cache"]["hit_tokens"] == full_blocks * BLOCK
+    assert after["prefix_cache"]["hit_tokens"] - hits_before == full_blocks * BLOCK
     assert usage.prompt_tokens_details.cached_tokens == 0  # the tenant's usage counts the prefill side's cache
     _, again = stream_text(cluster, prompt)
     assert again.prompt_tokens_details.cached_tokens == full_blocks * BLOCK

@@ -152,7 +152,7 @@ class Scheduler:
         self._interactive_seen_by_tenant: dict[str, float] = {}  # when each tenant's interactive work last was
         self._tenants_share = False  # whether more than one tenant's interactive work is active or expected
         self._computing_long_prompts: set[str] = set()  # tenants computing a long interactive prompt, while shared
-        self._streams_decoding = False  # whether this step decodes interactive requests (see _spaces_prompt)
+        self._streams_decoding = False  # whether this step decodes interactive requests (see _spaces_prompts)
         self._short_step = False  # whether this step's running work is predicted within the arrival budget
         self._prompt_started_step = -2  # the step that last started an interactive prompt that stalls streams
         self.lora = LoraResidency(config.max_loras)
@@ -240,7 +240,7 @@ class Scheduler:
         self._note_interactive_traffic()
         step = self._fill(plan)
         # No proposals in a step that starts a prompt stalling the streams: beside it they look cheap, but
-        # the streams they move a few tokens on drift together again (see _spaces_prompt).
+        # the streams they move a few tokens on drift together again (see _spaces_prompts).
         if step is not None and self.speculator is not None and self._prompt_started_step != self.counters.num_steps:
             self._speculate(step, self.speculator)
         plan.tier_copies = self.blocks.take_tier_copies()  # every allocation of the step is made
@@ -628,10 +628,11 @@ class Scheduler:
                 if verdict.hold is Hold.TENANT or (not swapped and self.blocks.read_from_disk(request)):
                     passed_over.add(request.tenant_id)
                     continue
-                if not swapped and self._spaces_prompt(request, verdict.num_new):
+                stalls = not swapped and self._stalls_streams(request, verdict.num_new)
+                if stalls and self._spaces_prompts():
                     return False
                 started = self._resume(request, verdict, step) if swapped else self._admit(request, step)
-                if started and not swapped and self._stalls_streams(request, verdict.num_new):
+                if started and stalls:
                     self._prompt_started_step = self.counters.num_steps
                 if not started and self._waits_its_turn(request, verdict.num_new, step):
                     passed_over.add(request.tenant_id)  # the other tenants' prompts are not held behind it
@@ -639,9 +640,9 @@ class Scheduler:
                     return False
         return True
 
-    def _spaces_prompt(self, request: Request, num_new: int) -> bool:
-        """Whether an interactive prompt waits so as not to start beside another, or right behind one while
-        streams decode, in steps otherwise short. A prompt that costs more than a lone decode stalls every
+    def _spaces_prompts(self) -> bool:
+        """Whether a prompt that stalls the streams waits, so as not to start beside another, or right behind
+        one while streams decode, in steps otherwise short. A prompt that costs more than a lone decode stalls every
         stream's step alike, so prompts started together, or a step apart, leave their streams a token
         apart: with replies of equal length they end together and send their next prompts together again,
         each waiting for the others' prompt steps (closed-loop streams so locked read 3.2x a lone first
@@ -650,8 +651,7 @@ class Scheduler:
         first tokens sooner on average than computed together. In steps long already (many rows, or a long
         prompt's chunk: a line past capacity) a step's wait would cost more than it keeps apart."""
         started, now = self._prompt_started_step, self.counters.num_steps
-        return (self._short_step and (started == now or (started == now - 1 and self._streams_decoding))
-                and self._stalls_streams(request, num_new))
+        return self._short_step and (started == now or (started == now - 1 and self._streams_decoding))
 
     def _stalls_streams(self, request: Request, num_new: int) -> bool:
         """Whether this is an interactive prompt whose num_new tokens cost more than a lone decode step: a step
@@ -665,8 +665,10 @@ class Scheduler:
         """Whether the plan's work so far is predicted within the arrival budget (none is while the cost
         model has no coefficients)."""
         budget_s = self.shaper.arrival_budget_s()
-        predicted_s = None if budget_s is None else self.shaper.cost_model.predict(work_of(plan, swaps=False))
-        return predicted_s is not None and budget_s is not None and predicted_s <= budget_s
+        if budget_s is None:
+            return False
+        predicted_s = self.shaper.cost_model.predict(work_of(plan, swaps=False))
+        return predicted_s is not None and predicted_s <= budget_s
 
     def _not_running_in_order(self, priority: PriorityClass, passed_over: Container[str]) -> Iterator[Request]:
         """The class's swapped requests, then its waiting ones as the queue offers them. A waiting request

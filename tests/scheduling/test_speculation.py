@@ -216,14 +216,20 @@ def test_no_proposal_once_the_step_is_compute_bound() -> None:
     assert expected_accepted(0.5, 3) == pytest.approx(0.875)
 
 
-def speculated_share(costs: LinearStepCost, num_requests: int) -> float:
-    """Copying requests decoding together, the cost model calibrated on `costs` and fed each step's time: the
-    share of their decodes that verified proposals, in steps computing no prompt (the prompts start a step
-    or two apart, Scheduler._spaces_prompt)."""
+def calibrated_scheduler(costs: LinearStepCost) -> Scheduler:
+    """A scheduler speculating with NGRAM, unshaped, its cost model calibrated on `costs`."""
     scheduler = make_scheduler(SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=512, speculation=NGRAM,
                                                shaping=ShapingConfig(enabled=False)), num_device_blocks=2048)
     for plan in scheduler.calibration_steps():
         scheduler.observe_calibration(plan, costs.seconds(plan))
+    return scheduler
+
+
+def speculated_share(costs: LinearStepCost, num_requests: int) -> float:
+    """Copying requests decoding together, the cost model calibrated on `costs` and fed each step's time: the
+    share of their decodes that verified proposals, in steps computing no prompt (the prompts start a step
+    or two apart, Scheduler._spaces_prompts)."""
+    scheduler = calibrated_scheduler(costs)
     requests = [copy_request(16, 48) for _ in range(num_requests)]
     executor = CopyingExecutor(scheduler, {r.request_id: list(r.prompt_token_ids) for r in requests})
     for request in requests:
@@ -276,10 +282,7 @@ def test_no_proposals_are_verified_in_a_step_that_starts_a_prompt_beside_the_str
     request's new prompt: beside a long prompt step they look cheap, yet the tokens they win move streams
     a step on, and closed-loop streams so moved drift into sending their prompts together."""
     costs = LinearStepCost(overhead_s=0.020, per_token_s=0.0005)
-    scheduler = make_scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=512, speculation=NGRAM,
-                                               shaping=ShapingConfig(enabled=False)), num_device_blocks=1024)
-    for plan in scheduler.calibration_steps():
-        scheduler.observe_calibration(plan, costs.seconds(plan))
+    scheduler = calibrated_scheduler(costs)
     stream = copy_request(16, 200)
     executor = CopyingExecutor(scheduler, {stream.request_id: list(stream.prompt_token_ids)})
     scheduler.add_request(stream)

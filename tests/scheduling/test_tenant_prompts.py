@@ -178,7 +178,7 @@ def test_no_long_prompt_is_held_back_while_the_tenant_served_less_computes_one_o
     own = sim.add(LONG_PROMPT * 6, 1, "light")  # computed over several steps
     sim.step()
     assert own.status is RequestStatus.RUNNING and own.num_computed_tokens < own.num_prompt_tokens
-    sim.step()  # no prompt starts right behind another beside streams (Scheduler._spaces_prompt)
+    sim.step()  # no prompt starts right behind another beside streams (Scheduler._spaces_prompts)
     served_more = sim.add(LONG_PROMPT, 1, "neighbour")
 
     plan, _ = sim.step()

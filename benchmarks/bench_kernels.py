@@ -17,10 +17,10 @@ it runs on.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 from collections import Counter
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,14 +29,13 @@ from torch import nn
 
 from app.process.flags import add_model_flags, settings_from_args
 from benchmarks.bench_compile import machine_description
-from gpu.linear_kernels import median_seconds
+from gpu.linear_kernels import cycling, median_seconds, num_copies
 from gpu.models import load_model
 from gpu.quantization import Int4WeightOnlyLinear, Int8WeightOnlyLinear, fits_kernel
 
 KERNELS = ("float32", "bfloat16", "int4", "int8", "int8-dynamic")
 ROWS = (1, 8, 64, 512)
 Shape = tuple[int, int]  # (in_features, out_features)
-Multiply = Callable[[torch.Tensor], torch.Tensor]
 
 
 def add_command(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -70,7 +69,7 @@ class Int8DynamicLinear(nn.Module):
         return product.float() * x_scales * self.w_scales
 
 
-def multiply_of(kernel: str, linear: nn.Linear) -> tuple[Multiply, torch.dtype] | None:
+def multiply_of(kernel: str, linear: nn.Linear) -> tuple[nn.Module, torch.dtype] | None:
     """The kernel's module for this layer and the dtype it takes activations in; None where it cannot."""
     if kernel == "float32":
         return linear, torch.float32
@@ -85,16 +84,19 @@ def multiply_of(kernel: str, linear: nn.Linear) -> tuple[Multiply, torch.dtype] 
     raise ValueError(f"unknown kernel {kernel!r}")
 
 
-def time_kernel(kernel: str, shape: Shape, rows: int, min_seconds: float) -> float | None:
+def time_kernel(kernel: str, shape: Shape, rows: int, min_seconds: float, num_layers: int) -> float | None:
+    """One layer's median time, each call on another copy of it (as the server's plan times them): a
+    step reads every layer's weights from memory, not from the cache."""
     linear = nn.Linear(*shape, bias=False)
     made = multiply_of(kernel, linear)
     if made is None:
         return None
-    multiply, dtype = made
+    layer, dtype = made
+    copies = [layer, *(copy.deepcopy(layer) for _ in range(num_copies(layer, num_layers) - 1))]
     x = torch.randn(rows, shape[0], dtype=dtype)
     try:
         with torch.inference_mode():
-            return median_seconds(multiply, x, min_seconds)
+            return median_seconds(cycling(copies), x, min_seconds)
     except RuntimeError:  # a kernel this build of torch lacks on this device
         return None
 
@@ -109,7 +111,7 @@ def measure(shapes: Counter[Shape], kernels: list[str], rows: list[int], min_sec
         for kernel in kernels:
             total: float | None = 0.0
             for shape, num_layers in shapes.items():
-                seconds = time_kernel(kernel, shape, count, min_seconds)
+                seconds = time_kernel(kernel, shape, count, min_seconds, num_layers)
                 per_shape.setdefault(f"{shape[0]}x{shape[1]}", {}).setdefault(str(count), {})[kernel] = (
                     None if seconds is None else round(seconds * 1e3, 4))
                 total = None if seconds is None or total is None else total + seconds * num_layers

@@ -68,16 +68,29 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
-def cpu_has_native_bfloat16(cpuinfo: str = "/proc/cpuinfo") -> bool:
-    """AMX: bfloat16 matrix products run on the tile units. AVX512-BF16 alone is not enough: on such a
-    Xeon the compiled SmolLM2 step took 53.7 ms in bfloat16 against 42.4 in float32 at one sequence, and
-    was no faster at 8 or 64 (83.3 against 85.1 ms, 263 against 232). Without either, torch emulates it."""
+def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> frozenset[str]:
+    """The first processor's instruction-set flags; none where the file cannot be read."""
     try:
         with open(cpuinfo) as handle:
-            flags = next((line.split(":", 1)[1].split() for line in handle if line.startswith("flags")), [])
+            return frozenset(next((line.split(":", 1)[1].split() for line in handle if line.startswith("flags")), []))
     except OSError:
-        return False
-    return "amx_bf16" in flags
+        return frozenset()
+
+
+def cpu_has_native_bfloat16(cpuinfo: str = "/proc/cpuinfo") -> bool:
+    """Whether a whole model runs faster in bfloat16 than in float32: with AMX, whose tile units multiply it.
+    AVX512-BF16 alone is not enough: on such a Xeon the compiled SmolLM2 step took 53.7 ms in bfloat16
+    against 42.4 in float32 at one sequence, and was no faster at 8 or 64 (83.3 against 85.1 ms, 263 against
+    232). Without either, torch emulates it."""
+    return "amx_bf16" in cpu_flags(cpuinfo)
+
+
+def cpu_multiplies_bfloat16(cpuinfo: str = "/proc/cpuinfo") -> bool:
+    """Whether the CPU has bfloat16 dot products (AVX512-BF16, or AMX): then a packed layer's dense copy may
+    be kept in bfloat16, for the GEMMs of prompt chunks (gpu/linear_kernels.py measures whether it wins). On
+    a Zen 4 EPYC with AVX512-BF16 a 90-token SmolLM2 prompt took 97 ms on bfloat16 copies against 160 ms on
+    float32 ones, where the whole model in bfloat16 would not pay (the note above)."""
+    return not cpu_flags(cpuinfo).isdisjoint({"amx_bf16", "avx512_bf16"})
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
@@ -236,7 +249,7 @@ def load_model(spec: str, *, device: str = "auto", dtype: str = "auto", seed: in
     check_architecture(spec, model.config)
     model = model.to(device=torch_device, dtype=torch_dtype)
     plan = plan_linear_kernels(model, mode, torch_dtype, torch_device, choice=linear_kernels,
-                               native_bfloat16=torch_device.type == "cuda" or cpu_has_native_bfloat16(),
+                               native_bfloat16=torch_device.type == "cuda" or cpu_multiplies_bfloat16(),
                                cache_dir=None if kernel_plan_dir is None else Path(kernel_plan_dir))
     quantize_linears(model, mode, plan.dense)
     if plan.dense is not None:

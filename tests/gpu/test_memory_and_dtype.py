@@ -8,7 +8,7 @@ import psutil
 import pytest
 import torch
 
-from gpu.models import LoadedModel, cpu_has_native_bfloat16, resolve_dtype
+from gpu.models import LoadedModel, cpu_has_native_bfloat16, cpu_multiplies_bfloat16, resolve_dtype
 from gpu.runner import ModelRunner, RunnerBudget, kv_pool_bytes, kv_shape_of
 
 CPU = torch.device("cpu")
@@ -55,8 +55,21 @@ def test_native_bfloat16_is_read_from_the_cpu_flags(tmp_path: Path, flags: str, 
     assert cpu_has_native_bfloat16(str(cpuinfo)) is native
 
 
+@pytest.mark.parametrize(("flags", "multiplies"), [
+    ("fpu sse avx2 avx512f amx_bf16 amx_tile", True),
+    ("fpu sse avx2 avx512f avx512_bf16", True),
+    ("fpu sse avx2 avx512f", False),
+])
+def test_bfloat16_dense_copies_are_a_candidate_where_the_cpu_has_bfloat16_dot_products(
+        tmp_path: Path, flags: str, multiplies: bool) -> None:
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text(f"processor\t: 0\nmodel name\t: Some CPU\nflags\t\t: {flags}\n")
+    assert cpu_multiplies_bfloat16(str(cpuinfo)) is multiplies
+
+
 def test_without_cpuinfo_there_is_no_native_bfloat16(tmp_path: Path) -> None:
     assert not cpu_has_native_bfloat16(str(tmp_path / "missing"))
+    assert not cpu_multiplies_bfloat16(str(tmp_path / "missing"))
 
 
 def test_explicit_dtypes_win_over_the_machine() -> None:

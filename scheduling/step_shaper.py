@@ -192,7 +192,8 @@ class StepShaper:
             target = min(target, ceiling)
             derived = self._derives_target(tenant_target_s, starts_a_prompt)
             credit_s = self._credit_s if derived else 0.0  # a fixed target bounds every step: nothing carried
-            step.shaped_time_left_s = max(0.0, min(target - predicted + credit_s, ceiling - predicted))
+            room = max(0.0, min(target - predicted + credit_s, ceiling - predicted))
+            step.shaped_time_left_s = room if not derived or _is_full(room, ceiling - predicted) else 0.0
             cross_tenant_target = self._derived_target_s(predicted, self.config.interactive_itl_decodes_cross_tenant)
             step.cross_tenant_time_left_s = max(0.0, min(target, cross_tenant_target) - predicted)
             if derived:
@@ -318,6 +319,16 @@ def _starts_a_prompt(step: StepBuilder, interactive_demand: StepWork) -> bool:
     """Whether the step computes an interactive prompt chunk: a waiting request's (counted in the demand)
     or a running one's (in the plan before any shaped work; a decode is one token)."""
     return interactive_demand.sequences > 0 or any(len(seq.token_ids) > 1 for seq in step.plan.sequences)
+
+
+def _is_full(room_s: float, most_s: float) -> bool:
+    """Under the derived target the streams save their room up, and batch work beside them joins a step only
+    once the room is all the arrival budget allows: the streams' gap is read at its median, and a little
+    batch work in most steps puts the median at a step holding some. On a CPU's grouped rows each step with
+    batch rows cost a group (4 streams 18.5 ms; with a batch prompt chunk 28 ms), they joined two steps in
+    three, and the streams' ITL p50 read 2.1-2.6x a lone stream's. Saved up, the room is spent in fewer
+    steps, with more rows each, for the same average."""
+    return room_s >= most_s * (1 - 1e-9)
 
 
 def combined(work: StepWork, other: StepWork, swapped_blocks: int) -> StepWork:

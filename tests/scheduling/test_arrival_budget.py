@@ -207,7 +207,8 @@ def test_a_new_prompt_beside_four_streams_and_a_flood_starts_at_once_and_the_str
     decode_steps = [flood.step()[1] for _ in range(20)]
     assert sum(decode_steps) / len(decode_steps) <= 2 * lone_decode_s * 1.05  # the ITL target, batch filling the rest
     assert max(decode_steps) <= 4 * lone_decode_s * 1.05
-    assert min(decode_steps) > COST.seconds(_tokens(4)) * 1.05  # ...which it did: batch was not starved
+    # ...which it did: batch was not starved (it runs in the steps the streams' saved-up room reaches the budget)
+    assert sum(decode_steps) / len(decode_steps) > COST.seconds(_tokens(4)) * 1.05
 
     chat = flood.chat()
     batch_before = sum(r.num_computed_tokens for r in flood.batch)

@@ -5,6 +5,7 @@ batch gets whole steps again. The cost model recovers a known cost from noisy st
 from __future__ import annotations
 
 import random
+import statistics
 from dataclasses import dataclass
 
 import pytest
@@ -175,7 +176,8 @@ def test_step_time_keeps_the_derived_target_on_average_while_interactive_is_acti
                     == sim.interactive_work(plan).sequences]
     assert decode_steps and max(decode_steps) <= 4 * lone_s * (1 + 1e-9)
     assert sum(batch for *_, batch in records) > 0  # batch was slowed down, not stopped
-    assert max(batch for *_, batch in records) < 12  # and it could have run all 12 decodes otherwise
+    # and it could have run all 12 decodes a step otherwise (the room saved up may take more in one step)
+    assert sum(batch for *_, batch in records) < 12 * len(records) / 2
 
 
 def test_a_fixed_target_bounds_every_step_that_batch_work_shares() -> None:
@@ -305,6 +307,9 @@ def test_batch_rows_taken_in_groups_still_run_beside_four_streams() -> None:
     assert batch_decodes >= 100  # at least a row every other step on average
     assert sum(seconds) / len(seconds) <= 2 * lone_decode_s * 1.05
     assert max(seconds) <= 4 * lone_decode_s * 1.05
+    # The streams' median gap is a step without batch work: batch rows wait until their room is a lone
+    # decode's worth, so they join fewer than half the steps, in larger groups.
+    assert statistics.median(seconds) <= 1.05 * min(seconds)
 
 
 

@@ -15,7 +15,9 @@ a margin), and at least `interactive_itl_decodes` times a lone decode step's mea
 interactive streams then leave batch work a share of each step (their gap stays within that multiple
 of a lone stream's), where the slack alone would starve it. The derived target holds on average: the room
 a step leaves unspent goes to the next ones, measured by the gaps the steps made (see `_settle`), so batch
-rows that a CPU's kernels take in groups still run; a fixed target bounds every step. The lone decode is
+rows that a CPU's kernels take in groups still run; it is saved up until it is all the arrival budget
+allows and spent in one step (`_is_full`), so most of the streams' steps hold no batch work and their
+median gap stays their own. A fixed target bounds every step. The lone decode is
 measured: served, or timed on its own between served steps when the forward changed under load
 (scheduling/engine.py). A tenant's own ITL target (`itl_target_ms`
 in the tenants file) lowers the target of every step while one of its requests runs. A step that

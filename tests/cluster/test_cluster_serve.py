@@ -304,9 +304,16 @@ def test_a_batch_ends_each_item_exactly_once_across_a_replica_restart(cluster: C
     with cluster.client() as client:
         file_id = client.files.create(file=("items.jsonl", io.BytesIO(content)), purpose="batch").id
         batch = client.batches.create(input_file_id=file_id, endpoint="/v1/completions", completion_window="24h")
-        wait_for(lambda: cluster.stats()["running"] > 0, timeout=30, interval=0.1, what="batch items to run")
-        victim = max(cluster.stats()["replicas"].values(), key=lambda r: int(r["running"]))
-        os.kill(victim["pid"], signal.SIGKILL)
+        # The victim is a replica seen running items, in the same report: read from a second one, it could be
+        # one whose items had just ended, and the kill then hit nothing.
+        running: list[dict[str, Any]] = []
+
+        def a_replica_runs_items() -> bool:
+            running[:] = [r for r in cluster.stats()["replicas"].values() if int(r["running"]) > 0]
+            return bool(running)
+
+        wait_for(a_replica_runs_items, timeout=30, interval=0.1, what="a replica to run batch items")
+        os.kill(running[0]["pid"], signal.SIGKILL)
         wait_for(lambda: client.batches.retrieve(batch.id).status not in ("validating", "in_progress", "finalizing"),
                  timeout=180, interval=0.5, what="the batch to end")
         done = client.batches.retrieve(batch.id)

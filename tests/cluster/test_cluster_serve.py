@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -77,13 +78,22 @@ class Cluster:
             return False
 
 
+# Serve's proxy binds its port seconds after the port is chosen. A port the kernel hands out for bind(0)
+# can go to any process in that window (once the proxy then failed to bind, and a module's tests errored),
+# so the port is drawn between Ray's worker ports (10002-19999) and the kernel's ephemeral range.
+PROXY_PORTS = range(20000, 32768)
+
+
 def loopback_port() -> int:
-    """A free port for Serve's proxy, which binds it itself and cannot be handed a socket; the small
-    window before it binds is the price."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
+    """A free port for Serve's proxy, which binds it itself and cannot be handed a socket."""
+    for port in random.sample(PROXY_PORTS, 64):
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise AssertionError(f"no free port among 64 drawn from {PROXY_PORTS}")
 
 
 @pytest.fixture(scope="module")

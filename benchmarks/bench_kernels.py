@@ -17,7 +17,6 @@ it runs on.
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import os
 from collections import Counter
@@ -29,7 +28,7 @@ from torch import nn
 
 from app.process.flags import add_model_flags, settings_from_args
 from benchmarks.bench_compile import machine_description
-from gpu.linear_kernels import cycling, median_seconds, num_copies
+from gpu.linear_kernels import cold_multiply, median_seconds
 from gpu.models import load_model
 from gpu.quantization import Int4WeightOnlyLinear, Int8WeightOnlyLinear, fits_kernel
 
@@ -92,11 +91,10 @@ def time_kernel(kernel: str, shape: Shape, rows: int, min_seconds: float, num_la
     if made is None:
         return None
     layer, dtype = made
-    copies = [layer, *(copy.deepcopy(layer) for _ in range(num_copies(layer, num_layers) - 1))]
     x = torch.randn(rows, shape[0], dtype=dtype)
     try:
         with torch.inference_mode():
-            return median_seconds(cycling(copies), x, min_seconds)
+            return median_seconds(cold_multiply(layer, num_layers), x, min_seconds)
     except RuntimeError:  # a kernel this build of torch lacks on this device
         return None
 

@@ -106,22 +106,28 @@ def median_seconds(multiply: Multiply, x: torch.Tensor, min_seconds: float, min_
     return statistics.median(times)
 
 
-def time_layouts(layouts: Counter[Layout], rows: int, kernel: str, device: torch.device, model_dtype: torch.dtype,
+def time_layouts(layers: dict[Layout, nn.Linear], counts: Counter[Layout], rows: int, kernel: str,
                  min_seconds: float) -> float:
-    """Seconds of every packed layer of one step at this row count, on the packed kernel or a dense dtype.
-    Each call multiplies another copy of the layer, as a step reads each layer's weights once from memory:
-    timed over one weight, the kernels read it from the cache, and on a Zen 4 EPYC bfloat16 copies then
-    won from 8 rows, where a real step's took more than twice the packed kernel's time."""
+    """Seconds of every packed layer of one step at this row count, on the packed kernel or a dense dtype,
+    from one sample layer of each layout (`sample_layers`). Each call multiplies another copy of the layer,
+    as a step reads each layer's weights once from memory: timed over one weight, the kernels read it from
+    the cache, and on a Zen 4 EPYC bfloat16 copies then won from 8 rows, where a real step's took more than
+    twice the packed kernel's time."""
     total = 0.0
-    for (in_features, out_features, mode), count in layouts.items():
-        linear = nn.Linear(in_features, out_features, bias=False, device=device, dtype=model_dtype)
+    for layout, linear in layers.items():
+        mode, count = layout[2], counts[layout]
         dense = kernel != "packed"
         made: nn.Module = DenseMultiply(linear, getattr(torch, kernel)) if dense else packed_linear(linear, mode)
-        copies = [made, *(copy.deepcopy(made) for _ in range(num_copies(made, count) - 1))]
-        x = torch.randn(rows, in_features, device=device, dtype=model_dtype)
+        x = torch.randn(rows, linear.in_features, device=linear.weight.device, dtype=linear.weight.dtype)
         with torch.inference_mode():
-            total += median_seconds(cycling(copies), x, min_seconds, min_runs=3) * count
+            total += median_seconds(cold_multiply(made, count), x, min_seconds, min_runs=3) * count
     return total
+
+
+def sample_layers(layouts: Counter[Layout], device: torch.device, dtype: torch.dtype) -> dict[Layout, nn.Linear]:
+    """One random layer of each layout, made once for every kernel and row count timed: a large one's
+    initialization (an LM head's) costs more than its timings."""
+    return {layout: nn.Linear(layout[0], layout[1], bias=False, device=device, dtype=dtype) for layout in layouts}
 
 
 def num_copies(layer: nn.Module, count: int) -> int:
@@ -130,8 +136,10 @@ def num_copies(layer: nn.Module, count: int) -> int:
     return max(1, min(count, -(-COLD_BYTES // weight_bytes)))
 
 
-def cycling(copies: list[nn.Module]) -> Multiply:
-    """One multiply that takes the next copy at each call."""
+def cold_multiply(layer: nn.Module, count: int) -> Multiply:
+    """The layer's multiply, each call on the next of `num_copies` copies of it, in turn: timed so, a kernel
+    reads the weights from memory, as in a step of `count` such layers."""
+    copies = [layer, *(copy.deepcopy(layer) for _ in range(num_copies(layer, count) - 1))]
     turn = itertools.cycle(copies)
     return lambda x: next(turn)(x)
 
@@ -213,8 +221,8 @@ def plan_linear_kernels(model: nn.Module, mode: Quantization, model_dtype: torch
         logger.info("linear kernels (measured on this machine before, %s): %s", cached, plan.describe())
         return plan
     started = time.perf_counter()
-    plan = measure_plan(lambda rows, kernel: time_layouts(layouts, rows, kernel, device, model_dtype, MIN_SECONDS),
-                        candidates)
+    layers = sample_layers(layouts, device, model_dtype)
+    plan = measure_plan(lambda rows, kernel: time_layouts(layers, layouts, rows, kernel, MIN_SECONDS), candidates)
     logger.info("linear kernels measured in %.1f s: %s (%s)", time.perf_counter() - started, plan.describe(),
                 "; ".join(f"{rows} rows: " + ", ".join(f"{k} {ms:.1f} ms" for k, ms in row.items())
                           for rows, row in (plan.step_linears_ms or {}).items()))

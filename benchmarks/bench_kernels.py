@@ -7,8 +7,8 @@ model's (in, out) shapes, times how many layers have that shape, added up. The k
   AVX2 emulates it);
 - int4 and int8: the weight-only packed kernels of gpu/quantization.py (int4's activations in bfloat16;
   a shape it cannot take stays float32, as in serving);
-- int8-dynamic: int8 weights times activations quantized to int8 per row on the fly (`aten._int_mm`),
-  the scheme llama.cpp's CPU backend uses for its quantized types.
+- int8-dynamic: int8 weights times activations quantized to int8 per row on the fly (`aten._int_mm`):
+  the int8 copies of gpu/quantization.py, which llama.cpp's CPU backend does per block of 32 instead.
 Which kernel is fastest depends on the CPU and the row count, so the table names the CPU, its
 instruction sets and the load average; the choice a server makes from it must be made on the machine
 it runs on.
@@ -28,7 +28,7 @@ from torch import nn
 
 from app.process.flags import add_model_flags, settings_from_args
 from benchmarks.bench_compile import machine_description
-from gpu.linear_kernels import cold_multiply, median_seconds
+from gpu.linear_kernels import DenseMultiply, cold_multiply, median_seconds
 from gpu.models import load_model
 from gpu.quantization import Int4WeightOnlyLinear, Int8WeightOnlyLinear, fits_kernel
 
@@ -52,22 +52,6 @@ def linear_shapes(model: nn.Module) -> Counter[Shape]:
     return Counter((m.in_features, m.out_features) for m in model.modules() if isinstance(m, nn.Linear))
 
 
-class Int8DynamicLinear(nn.Module):
-    """y = (xq @ wq^T) * x_scale * w_scale: int8 weights per output row, activations quantized per row."""
-
-    def __init__(self, linear: nn.Linear) -> None:
-        super().__init__()
-        weight = linear.weight.detach().float()
-        self.w_scales = weight.abs().amax(dim=1).clamp(min=1e-12) / 127.0
-        self.wq_t = torch.round(weight / self.w_scales[:, None]).clamp(-127, 127).to(torch.int8).t().contiguous()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x_scales = x.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 127.0
-        xq = torch.round(x / x_scales).clamp(-127, 127).to(torch.int8)
-        product: torch.Tensor = torch.ops.aten._int_mm(xq, self.wq_t)
-        return product.float() * x_scales * self.w_scales
-
-
 def multiply_of(kernel: str, linear: nn.Linear) -> tuple[nn.Module, torch.dtype] | None:
     """The kernel's module for this layer and the dtype it takes activations in; None where it cannot."""
     if kernel == "float32":
@@ -79,7 +63,7 @@ def multiply_of(kernel: str, linear: nn.Linear) -> tuple[nn.Module, torch.dtype]
     if kernel == "int8":
         return Int8WeightOnlyLinear(linear), torch.float32
     if kernel == "int8-dynamic":
-        return Int8DynamicLinear(linear), torch.float32
+        return DenseMultiply(linear, torch.int8), torch.float32  # an int8 copy, unsmoothed
     raise ValueError(f"unknown kernel {kernel!r}")
 
 

@@ -10,7 +10,10 @@ layout (how many decodes, chunks and context rows). Dynamo then guards on none o
 serves a lone decode, 64 decodes and any mix of decodes and prefill chunks. (A separate static graph
 for one token measured no faster: 39.5 against 40.0 ms p50 for SmolLM2 in float32, and it doubled
 the start-up.) The KV pool's size is unbacked too, so the artifacts of one start serve the next even
-when its pool is sized differently.
+when its pool is sized differently. Where the packed layers keep dense copies for large steps
+(gpu/linear_kernels.py), a second graph serves the steps of at least that many tokens: the same
+forward, told the token count reaches the copies' row count, so that its layers trace the copies'
+multiply (`PackedForward._forward_large`).
 The graph is compiled over warm-up steps (`warm_up`), at start-up or in the background while the
 runner serves eagerly (gpu/background_compile.py), so a request never pays for a compilation; one
 that happens later all the same is logged and counted (`recompilations`).
@@ -173,10 +176,9 @@ class PackedForward:
                  scope: CompileScope = "model", dense_from_rows: int | None = None) -> None:
         self.model = model
         self.mode = mode
-        # Steps of this many tokens or more run eagerly: their quantized layers multiply dense copies
-        # (gpu/linear_kernels.py), which the compiled graph does not hold. Such a step is its GEMMs: a
-        # 512-token prompt chunk took 3.05 s eager and 2.93 s compiled, so a second graph variant (and
-        # a compile twice as long) would buy little.
+        # Steps of this many tokens or more multiply the quantized layers' dense copies (gpu/linear_kernels.py),
+        # in a graph of their own that asserts the token count reaches it (`_forward_large`). Eagerly, such
+        # a step took a Zen 4 EPYC 10-20 ms more than compiled at 8-16 decodes of SmolLM2.
         self.dense_from_rows = dense_from_rows
         # With LoRA adapters, the step's slot mask is an input of the graph like the paged metadata: set
         # on the layers inside the forward, so a compiled graph reads each step's mask, not a constant.
@@ -195,11 +197,15 @@ class PackedForward:
             options = {**options, "autotune_in_subproc": True}
         self.scope: CompileScope = scope if options is not None and lora_rows is None else "model"
         self._compiled: Callable[..., Any] | None = None
+        self._compiled_large: Callable[..., Any] | None = None  # steps of dense_from_rows tokens or more
         self._compiled_layer: Callable[..., Any] | None = None  # scope "layer": every decoder layer's forward
         if options is not None and self.scope == "layer":
             self._compiled_layer = compile_decoder_layers(model, options)
         elif options is not None:
             self._compiled = torch.compile(self._forward, fullgraph=True, options={**options, **MODEL_GUARDS})
+            if dense_from_rows is not None:
+                self._compiled_large = torch.compile(self._forward_large, fullgraph=True,
+                                                     options={**options, **MODEL_GUARDS})
         self._compilations_at_start = compilations_so_far()
         self._compilations_at_ready: int | None = None  # dynamo's count once warm_up is done
         self.num_graphs = 0  # compiled by warm_up
@@ -207,12 +213,17 @@ class PackedForward:
         self.compile_seconds = 0.0
 
     @property
+    def has_large_graph(self) -> bool:
+        return self._compiled_large is not None
+
+    @property
     def is_compiled(self) -> bool:
         return self._compiled is not None or self._compiled_layer is not None
 
     def __call__(self, step: StepInputs, keep: torch.Tensor) -> torch.Tensor:
         lora_mask = None if self.lora_rows is None else self.lora_rows.mask
-        if not self.is_compiled or self.runs_dense(step):
+        compiled = self._compiled_large if self.runs_dense(step) else self._compiled
+        if not self.is_compiled or (self.runs_dense(step) and compiled is None):  # a layer scope's large step
             return self._forward(step.input_ids, step.positions, keep, step.metadata, lora_mask)
         before = compilations_so_far()
         logits: torch.Tensor
@@ -221,9 +232,9 @@ class PackedForward:
             with compiled_layers_on_this_thread(self._compiled_layer):
                 logits = self._forward(step.input_ids, step.positions, keep, step.metadata, lora_mask)
         else:
-            assert self._compiled is not None
+            assert compiled is not None
             mark_step_shapes(step, keep, lora_mask)
-            logits = self._compiled(step.input_ids, step.positions, keep, step.metadata, lora_mask)
+            logits = compiled(step.input_ids, step.positions, keep, step.metadata, lora_mask)
         if self._compilations_at_ready is not None and compilations_so_far() > before:
             self.recompilations += compilations_so_far() - before
             logger.warning("the forward compiled again during serving (%d tokens, %d logits kept): %d so far",
@@ -232,6 +243,14 @@ class PackedForward:
 
     def runs_dense(self, step: StepInputs) -> bool:
         return self.dense_from_rows is not None and step.input_ids.shape[1] >= self.dense_from_rows
+
+    def _forward_large(self, input_ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor,
+                       metadata: PagedMetadata, lora_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """The forward of a step with dense_from_rows tokens or more: told so, the packed layers trace their
+        dense copies' multiply (PackedLinear.takes_dense)."""
+        assert self.dense_from_rows is not None
+        torch._check(input_ids.shape[1] >= self.dense_from_rows)  # type: ignore[no-untyped-call]
+        return self._forward(input_ids, positions, keep, metadata, lora_mask)
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor,
                  metadata: PagedMetadata, lora_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -316,10 +335,12 @@ def mark_layer_shapes(hidden_states: torch.Tensor, kwargs: dict[str, Any]) -> No
             torch._dynamo.decorators.mark_unbacked(tensor, 1)
 
 
-def warm_up_steps(block_size: int, num_blocks: int) -> list[tuple[str, list[ScheduledSequence]]]:
+def warm_up_steps(block_size: int, num_blocks: int, large_rows: int | None = None
+                  ) -> list[tuple[str, list[ScheduledSequence]]]:
     """Steps of every kind a server meets, over blocks of a still empty pool: one decode, then decodes
-    beside a fresh prompt and a chunk that continues a cached context, then a lone prompt chunk. The
-    first compiles the graph; the others check that it serves them (a compilation there is logged)."""
+    beside a fresh prompt and a chunk that continues a cached context, then a lone prompt chunk, and with
+    `large_rows`, a chunk of that many tokens, which the large steps' graph serves. The first step of each
+    graph compiles it; the others check that it serves them (a compilation there is logged)."""
     blocks = itertools.count()
 
     def table(tokens: int) -> tuple[int, ...]:
@@ -329,12 +350,15 @@ def warm_up_steps(block_size: int, num_blocks: int) -> list[tuple[str, list[Sche
         return ScheduledSequence(f"warm-up-{name}", [1] * num_tokens, start, table(start + num_tokens), True,
                                  SamplingParams())
 
-    return [
+    steps = [
         ("one decode", [sequence("a", block_size + 2, 1)]),
         ("decodes and prompt chunks", [sequence("b", block_size + 2, 1), sequence("c", 3, 1),
                                        sequence("d", 0, 2 * block_size + 3), sequence("e", block_size, 5)]),
         ("one prompt chunk", [sequence("f", 0, block_size + 1)]),
     ]
+    if large_rows is not None:
+        steps.append(("a large step", [sequence("g", 0, large_rows)]))
+    return steps
 
 
 def warm_up(forward: PackedForward, compute: Callable[[list[ScheduledSequence]], object], block_size: int,
@@ -343,7 +367,7 @@ def warm_up(forward: PackedForward, compute: Callable[[list[ScheduledSequence]],
     `compute` runs one step through `forward` over a pool of at least `num_blocks` blocks."""
     if not forward.is_compiled:
         return
-    steps = warm_up_steps(block_size, num_blocks)
+    steps = warm_up_steps(block_size, num_blocks, forward.dense_from_rows if forward.has_large_graph else None)
     logger.info("compiling the forward (mode %s, scope %s) over %d warm-up steps: minutes on a first start, "
                 "seconds on one that finds the artifacts on disk", forward.mode, forward.scope, len(steps))
     started = time.perf_counter()

@@ -13,9 +13,16 @@ bytes per weight beside the packed ones (float32: 4, bfloat16: 2, against int4's
 logged. The measurement takes seconds and is kept on disk, keyed by the machine, the thread count, the
 torch version and the layer shapes.
 
-The dense dtypes tried: the model's own, and bfloat16 where the hardware multiplies it natively
-(AVX512-BF16 or AMX, or a GPU); AVX2 emulates it at 7x float32's time. On a Zen 4 EPYC with AVX512-BF16,
-bfloat16 copies read a 90-token SmolLM2 prompt in 97 ms, float32 ones in 160.
+The dense dtypes tried: the model's own; bfloat16 where the hardware multiplies it natively
+(AVX512-BF16 or AMX, or a GPU; AVX2 emulates it at 7x float32's time); and on a CPU, int8 copies
+multiplied with int8 activations (gpu/quantization.py), which need VNNI's integer dot products to win.
+On a Zen 4 EPYC with AVX512-BF16 and VNNI, SmolLM2's step linears took, at 8, 16 and 64 rows:
+
+| rows | packed int4 | int8 copies | bfloat16 copies |
+|---|---|---|---|
+| 8 | 18.6 ms | 17.7 ms | 25.4 ms |
+| 16 | 32.6 ms | 23.4 ms | 31.1 ms |
+| 64 | 120.5 ms | 45.2 ms | 64.3 ms |
 """
 
 from __future__ import annotations
@@ -42,13 +49,15 @@ from gpu.quantization import DenseCopy, PackedLinear, Quantization, layer_modes,
 logger = logging.getLogger(__name__)
 
 LinearKernels = Literal["auto", "packed"]  # auto: measured here; packed: the packed kernels at every row count
-ROW_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512)
+# Steps of 8-16 rows are a decode batch beside a few interactive streams (scheduling/step_shaper.py): the
+# buckets there are close, for a copy that wins from 12 rows not to wait for 16.
+ROW_BUCKETS = (1, 4, 8, 12, 16, 24, 32, 64, 128, 256, 512)
 # Rows a dense copy must win at in a row before the plan takes it: one bucket alone may be noise.
 CONFIRMING_BUCKETS = 2
-# A win is this fraction of the packed kernels' time or less: a step on the dense copies runs eagerly
-# (gpu/compiled.py), which cost SmolLM2 10-20 ms a step on a Zen 4 EPYC (16 decodes: 65.5 ms eager on
-# bfloat16 copies against 43.5 compiled, where the copies' linears alone won by 4%).
-DENSE_MARGIN = 0.8
+# A win is this fraction of the packed kernels' time or less: clear of the timings' noise, and of what a
+# step on the copies costs beside its linears (the quantization of an int8 copy's activations is timed;
+# a second compiled graph's dispatch is not).
+DENSE_MARGIN = 0.9
 MIN_SECONDS = 0.02  # each layout timed at least this long per kernel and bucket
 COLD_BYTES = 256 * 2**20  # the weights a layout's timing cycles through: more than a CPU's last-level cache
 Layout = tuple[int, int, Quantization]  # (in_features, out_features, the packed kernel)
@@ -75,9 +84,10 @@ class KernelPlan:
         return self.dense_from_rows is not None and rows >= self.dense_from_rows
 
     def describe(self) -> str:
-        if self.dense_from_rows is None:
+        if self.dense is None:
             return "packed kernels at every row count"
-        return f"packed kernels below {self.dense_from_rows} rows, {self.dense_dtype} dense copies from there"
+        fallback = "" if self.dense.fallback is None else f" ({self.dense.fallback} where int8 would err)"
+        return f"packed kernels below {self.dense.from_rows} rows, {self.dense.dtype} dense copies{fallback} from there"
 
 
 def packed_layouts(model: nn.Module, mode: Quantization) -> Counter[Layout]:
@@ -87,8 +97,14 @@ def packed_layouts(model: nn.Module, mode: Quantization) -> Counter[Layout]:
                    for linear, layer_mode in linears if isinstance(linear, nn.Linear))
 
 
-def dense_candidates(model_dtype: torch.dtype, native_bfloat16: bool) -> list[torch.dtype]:
-    return [model_dtype, torch.bfloat16] if native_bfloat16 and model_dtype != torch.bfloat16 else [model_dtype]
+def dense_candidates(model_dtype: torch.dtype, native_bfloat16: bool, device: torch.device) -> list[torch.dtype]:
+    """The dense dtypes worth timing: int8 copies on a CPU only (CUDA's `_int_mm` wants more than 16 rows)."""
+    candidates = [model_dtype]
+    if native_bfloat16 and model_dtype != torch.bfloat16:
+        candidates.append(torch.bfloat16)
+    if device.type == "cpu":
+        candidates.append(torch.int8)
+    return candidates
 
 
 def median_seconds(multiply: Multiply, x: torch.Tensor, min_seconds: float, min_runs: int = 5) -> float:
@@ -144,17 +160,17 @@ def cold_multiply(layer: nn.Module, count: int) -> Multiply:
     return lambda x: next(turn)(x)
 
 
-class DenseMultiply(nn.Module):
+class DenseMultiply(PackedLinear):
     """A layer's weight in a dense dtype, multiplied in it: what a dense copy does."""
-
-    weight: torch.Tensor
 
     def __init__(self, linear: nn.Linear, dtype: torch.dtype) -> None:
         super().__init__()
-        self.register_buffer("weight", linear.weight.detach().to(dtype))
+        self.bias = None
+        smoothing = torch.ones(linear.in_features, device=linear.weight.device)  # timed as a real copy's
+        self.keep_dense_copy(DenseCopy(dtype, 1), lambda: linear.weight.detach(), smoothing)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return nn.functional.linear(x.to(self.weight.dtype), self.weight).to(x.dtype)
+        return self.dense_forward(x)
 
 
 StepTimer = Callable[[int, str], float]  # (rows, kernel: "packed" or a dense dtype's name) -> seconds
@@ -177,7 +193,17 @@ def measure_plan(time_step: StepTimer, candidates: list[torch.dtype]) -> KernelP
             break
     if not streak:
         return KernelPlan(step_linears_ms=timings)
-    return KernelPlan(DenseCopy(getattr(torch, fastest), streak[0]), timings)
+    return KernelPlan(DenseCopy(getattr(torch, fastest), streak[0], int8_fallback(fastest, measured)), timings)
+
+
+def int8_fallback(fastest: str, measured: dict[str, float]) -> torch.dtype | None:
+    """For int8 copies: the float copy a layer that int8 would make err keeps, the fastest float dtype where
+    it beats the packed kernels at the bucket that decided (None: those layers stay packed)."""
+    if fastest != "int8":
+        return None
+    floats = {kernel: seconds for kernel, seconds in measured.items() if kernel not in ("packed", "int8")}
+    best = min(floats, key=lambda kernel: floats[kernel], default=None)
+    return None if best is None or floats[best] >= measured["packed"] else getattr(torch, best)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -189,19 +215,22 @@ def plan_identity(layouts: Counter[Layout], candidates: list[torch.dtype], devic
     described = json.dumps({"layouts": sorted(map(list, layouts.items())), "candidates": list(map(str, candidates)),
                             "dtype": str(model_dtype), "threads": torch.get_num_threads(), "torch": torch.__version__,
                             "buckets": ROW_BUCKETS, "machine": machine_key(device),
-                            "timing": "weights cycled past the cache", "margin": DENSE_MARGIN}, default=str)
+                            "timing": "weights cycled past the cache", "margin": DENSE_MARGIN,
+                            "int8": "dynamic activations, a float fallback"}, default=str)
     return hashlib.sha256(described.encode()).hexdigest()[:16]
 
 
 def plan_as_json(plan: KernelPlan) -> dict[str, Any]:
+    fallback = None if plan.dense is None or plan.dense.fallback is None else dtype_name(plan.dense.fallback)
     return {"dense_dtype": None if plan.dense_dtype is None else dtype_name(plan.dense_dtype),
-            "dense_from_rows": plan.dense_from_rows,
+            "dense_from_rows": plan.dense_from_rows, "dense_fallback": fallback,
             "step_linears_ms": {str(rows): row for rows, row in (plan.step_linears_ms or {}).items()}}
 
 
 def plan_from_json(data: dict[str, Any]) -> KernelPlan:
-    dtype, from_rows = data.get("dense_dtype"), data.get("dense_from_rows")
-    dense = None if dtype is None or from_rows is None else DenseCopy(getattr(torch, dtype), from_rows)
+    dtype, from_rows, fallback = data.get("dense_dtype"), data.get("dense_from_rows"), data.get("dense_fallback")
+    dense = None if dtype is None or from_rows is None else DenseCopy(
+        getattr(torch, dtype), from_rows, None if fallback is None else getattr(torch, fallback))
     return KernelPlan(dense, {int(rows): row for rows, row in data.get("step_linears_ms", {}).items()})
 
 
@@ -213,7 +242,7 @@ def plan_linear_kernels(model: nn.Module, mode: Quantization, model_dtype: torch
     layouts = packed_layouts(model, mode)
     if choice == "packed" or not layouts:
         return KernelPlan()
-    candidates = dense_candidates(model_dtype, native_bfloat16)
+    candidates = dense_candidates(model_dtype, native_bfloat16, device)
     identity = plan_identity(layouts, candidates, device, model_dtype)
     cached = None if cache_dir is None else cache_dir / f"linear-kernels-{identity}.json"
     if cached is not None and cached.is_file():

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from gpu.calibration import calibrate_int8_copies
 from gpu.capabilities import check_architecture, text_config_of
 from gpu.linear_kernels import KernelPlan, LinearKernels, dense_copy_bytes, plan_linear_kernels
 from gpu.quantization import Quantization, QuantizationChoice, quantize_linears
@@ -251,10 +252,12 @@ def load_model(spec: str, *, device: str = "auto", dtype: str = "auto", seed: in
     plan = plan_linear_kernels(model, mode, torch_dtype, torch_device, choice=linear_kernels,
                                native_bfloat16=torch_device.type == "cuda" or cpu_multiplies_bfloat16(),
                                cache_dir=None if kernel_plan_dir is None else Path(kernel_plan_dir))
-    quantize_linears(model, mode, plan.dense)
+    int8_copies = plan.dense is not None and plan.dense.dtype == torch.int8
+    quantize_linears(model, mode, plan.dense, calibrate_int8_copies(model, mode, tokenizer) if int8_copies else None)
     if plan.dense is not None:
+        dtypes = [plan.dense.dtype, *([] if plan.dense.fallback is None else [plan.dense.fallback])]
         logger.info("dense copies of the packed layers for steps of %d rows or more: %.0f MiB of %s",
-                    plan.dense.from_rows, dense_copy_bytes(model) / 2**20, plan.dense.dtype)
+                    plan.dense.from_rows, dense_copy_bytes(model) / 2**20, " and ".join(map(str, dtypes)))
     if mode != quantization:
         logger.info("quantization %s: %s (the precision %s ships in)", quantization, mode, spec)
     return LoadedModel(spec, model, tokenizer, context_length_of(model.config), torch_dtype, torch_device, mode, plan)

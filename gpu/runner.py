@@ -233,9 +233,14 @@ class ModelRunner:
         return None if self.lora is None else self.lora.slots.rows
 
     def _graph_variant(self) -> str:
-        """What besides the model, dtype and mode shapes the graph: the quantization, the KV pool's dtype
-        where it is not the model's, and the LoRA slots."""
+        """What besides the model, dtype and mode shapes the graph: the quantization, the dense copies and
+        the rows from which the large steps' graph takes them, the KV pool's dtype where it is not the
+        model's, and the LoRA slots."""
         variant: str = self.loaded.quantization
+        dense = self.loaded.kernel_plan.dense
+        if dense is not None:
+            variant += f"+dense-{str(dense.dtype).removeprefix('torch.')}-from{dense.from_rows}"
+            variant += "" if dense.fallback is None else f"-or-{str(dense.fallback).removeprefix('torch.')}"
         if self.cache.shape.dtype != self.loaded.dtype:
             variant += f"+kv-{self.cache.shape.dtype}"
         if self.lora is not None:

@@ -1,5 +1,5 @@
 """`fairlane bench kernels` on builtin:tiny: every kernel timed at every row count, the table and the
-JSON agree, and the int8-dynamic kernel computes the product it stands for."""
+JSON agree, and the int8-dynamic kernel (an unsmoothed int8 copy) computes the product it stands for."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from benchmarks.bench_kernels import Int8DynamicLinear, linear_shapes, table
+from benchmarks.bench_kernels import linear_shapes, multiply_of, table
 from benchmarks.cli import main
 from gpu.models import build_builtin
 
@@ -27,7 +27,9 @@ def test_int8_dynamic_is_the_product_to_int8_precision() -> None:
     x = torch.randn(5, 64)
     with torch.inference_mode():
         expected = linear(x)
-        got = Int8DynamicLinear(linear)(x)
+        made = multiply_of("int8-dynamic", linear)
+        assert made is not None
+        got = made[0](x)
     assert torch.allclose(got, expected, atol=0.05 * float(expected.abs().max()))
 
 

@@ -148,6 +148,7 @@ def model_with_copies(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, from_
     return load_model("builtin:tiny", device="cpu", dtype="float32", quantization="int8", linear_kernels="auto")
 
 
+@pytest.mark.slow  # compiles two graphs
 def test_a_compiled_forward_runs_steps_from_the_dense_row_count_through_a_graph_that_takes_the_copies(
         monkeypatch: pytest.MonkeyPatch, compile_artifacts: Path) -> None:
     """Two graphs: steps below the row count on the packed kernels, steps from it on the (int8) copies, each

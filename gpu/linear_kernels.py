@@ -198,12 +198,15 @@ def measure_plan(time_step: StepTimer, candidates: list[torch.dtype]) -> KernelP
 
 def int8_fallback(fastest: str, measured: dict[str, float]) -> torch.dtype | None:
     """For int8 copies: the float copy a layer that int8 would make err keeps, the fastest float dtype where
-    it beats the packed kernels at the bucket that decided (None: those layers stay packed)."""
+    it wins by the margin at the bucket that decided (None: those layers stay packed). On a Zen 4 EPYC
+    bfloat16 won by 6% at 16 rows there, and compiled steps of 12-32 decodes took 14-24% longer with
+    bfloat16 copies in those layers than with them packed (32 decodes: 81.7 against 65.9 ms)."""
     if fastest != "int8":
         return None
     floats = {kernel: seconds for kernel, seconds in measured.items() if kernel not in ("packed", "int8")}
     best = min(floats, key=lambda kernel: floats[kernel], default=None)
-    return None if best is None or floats[best] >= measured["packed"] else getattr(torch, best)
+    wins = best is not None and floats[best] <= DENSE_MARGIN * measured["packed"]
+    return getattr(torch, best) if wins and best is not None else None
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -216,7 +219,7 @@ def plan_identity(layouts: Counter[Layout], candidates: list[torch.dtype], devic
                             "dtype": str(model_dtype), "threads": torch.get_num_threads(), "torch": torch.__version__,
                             "buckets": ROW_BUCKETS, "machine": machine_key(device),
                             "timing": "weights cycled past the cache", "margin": DENSE_MARGIN,
-                            "int8": "dynamic activations, a float fallback"}, default=str)
+                            "int8": "dynamic activations, a float fallback by the margin"}, default=str)
     return hashlib.sha256(described.encode()).hexdigest()[:16]
 
 

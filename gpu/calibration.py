@@ -10,15 +10,17 @@ The pass runs the float model, before its layers are packed, over `CALIBRATION_T
 fixed English text (the docstrings of a few standard-library modules; `fairlane bench quality` measures
 perplexity on another text). Each linear layer's inputs give its s, and the relative error of its
 smoothed int8 product against the float one over those same inputs, a token at a time. A layer past
-`INT8_MAX_ERROR` keeps a float copy instead (DenseCopy.fallback), and so does the LM head, whose error
-lands on the logits as it is. SmolLM2's perplexity over its text (`fairlane bench quality`, Zen 4
-EPYC), float32 12.320, int4 on the packed kernels alone 12.341, with int8 copies in:
+`INT8_MAX_ERROR` keeps the packed kernel in large steps too, and so does the LM head, whose error
+lands on the logits as it is. (A bfloat16 copy in those layers instead read the perplexity text a
+little closer, 12.303, but made compiled steps of 12-32 decodes 14-24% slower: 81.7 against 65.9 ms
+at 32.) SmolLM2's perplexity over its text (`fairlane bench quality`, Zen 4 EPYC), float32 12.320,
+int4 on the packed kernels alone 12.341, with int8 copies in:
 
 | int8 copies in | unsmoothed | smoothed |
 |---|---|---|
 | every layer | 13.039 | 12.508 |
 | every layer but the MLPs' down projections and the head (packed) | | 12.351 |
-| the layers within 2% (176 of 210), bfloat16 copies in the others | | 12.303 |
+| the layers within 2% (176 of 210), the others packed | | 12.355 |
 
 (down projections err 2.1-2.8% a token, the other layers 0.6-2.2%).
 """
@@ -96,7 +98,8 @@ def calibrate_int8_copies(model: Any, mode: Quantization, tokenizer: Tokenizer,
         for hook in hooks:
             hook.remove()
     erring = sorted(set(names) - set(smoothing), key=names.index)
-    logger.info("int8 copies: %d of %d layers within %.0f%% error over %d calibration tokens; a float copy or "
-                "none for the LM head and %d more: %s", len(smoothing), len(names), INT8_MAX_ERROR * 100,
-                len(token_ids), len(erring), ", ".join(f"{name} ({errors[name]:.1%})" for name in erring[:4]))
+    logger.info("int8 copies: %d of %d layers within %.0f%% error over %d calibration tokens; the packed "
+                "kernel in every step for the LM head and %d more: %s", len(smoothing), len(names),
+                INT8_MAX_ERROR * 100, len(token_ids), len(erring),
+                ", ".join(f"{name} ({errors[name]:.1%})" for name in erring[:4]))
     return smoothing

@@ -86,8 +86,7 @@ class KernelPlan:
     def describe(self) -> str:
         if self.dense is None:
             return "packed kernels at every row count"
-        fallback = "" if self.dense.fallback is None else f" ({self.dense.fallback} where int8 would err)"
-        return f"packed kernels below {self.dense.from_rows} rows, {self.dense.dtype} dense copies{fallback} from there"
+        return f"packed kernels below {self.dense.from_rows} rows, {self.dense.dtype} dense copies from there"
 
 
 def packed_layouts(model: nn.Module, mode: Quantization) -> Counter[Layout]:
@@ -193,20 +192,7 @@ def measure_plan(time_step: StepTimer, candidates: list[torch.dtype]) -> KernelP
             break
     if not streak:
         return KernelPlan(step_linears_ms=timings)
-    return KernelPlan(DenseCopy(getattr(torch, fastest), streak[0], int8_fallback(fastest, measured)), timings)
-
-
-def int8_fallback(fastest: str, measured: dict[str, float]) -> torch.dtype | None:
-    """For int8 copies: the float copy a layer that int8 would make err keeps, the fastest float dtype where
-    it wins by the margin at the bucket that decided (None: those layers stay packed). On a Zen 4 EPYC
-    bfloat16 won by 6% at 16 rows there, and compiled steps of 12-32 decodes took 14-24% longer with
-    bfloat16 copies in those layers than with them packed (32 decodes: 81.7 against 65.9 ms)."""
-    if fastest != "int8":
-        return None
-    floats = {kernel: seconds for kernel, seconds in measured.items() if kernel not in ("packed", "int8")}
-    best = min(floats, key=lambda kernel: floats[kernel], default=None)
-    wins = best is not None and floats[best] <= DENSE_MARGIN * measured["packed"]
-    return getattr(torch, best) if wins and best is not None else None
+    return KernelPlan(DenseCopy(getattr(torch, fastest), streak[0]), timings)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -219,21 +205,19 @@ def plan_identity(layouts: Counter[Layout], candidates: list[torch.dtype], devic
                             "dtype": str(model_dtype), "threads": torch.get_num_threads(), "torch": torch.__version__,
                             "buckets": ROW_BUCKETS, "machine": machine_key(device),
                             "timing": "weights cycled past the cache", "margin": DENSE_MARGIN,
-                            "int8": "dynamic activations, a float fallback by the margin"}, default=str)
+                            "int8": "dynamic activations, calibrated layers only"}, default=str)
     return hashlib.sha256(described.encode()).hexdigest()[:16]
 
 
 def plan_as_json(plan: KernelPlan) -> dict[str, Any]:
-    fallback = None if plan.dense is None or plan.dense.fallback is None else dtype_name(plan.dense.fallback)
     return {"dense_dtype": None if plan.dense_dtype is None else dtype_name(plan.dense_dtype),
-            "dense_from_rows": plan.dense_from_rows, "dense_fallback": fallback,
+            "dense_from_rows": plan.dense_from_rows,
             "step_linears_ms": {str(rows): row for rows, row in (plan.step_linears_ms or {}).items()}}
 
 
 def plan_from_json(data: dict[str, Any]) -> KernelPlan:
-    dtype, from_rows, fallback = data.get("dense_dtype"), data.get("dense_from_rows"), data.get("dense_fallback")
-    dense = None if dtype is None or from_rows is None else DenseCopy(
-        getattr(torch, dtype), from_rows, None if fallback is None else getattr(torch, fallback))
+    dtype, from_rows = data.get("dense_dtype"), data.get("dense_from_rows")
+    dense = None if dtype is None or from_rows is None else DenseCopy(getattr(torch, dtype), from_rows)
     return KernelPlan(dense, {int(rows): row for rows, row in data.get("step_linears_ms", {}).items()})
 
 

@@ -255,9 +255,8 @@ def load_model(spec: str, *, device: str = "auto", dtype: str = "auto", seed: in
     int8_copies = plan.dense is not None and plan.dense.dtype == torch.int8
     quantize_linears(model, mode, plan.dense, calibrate_int8_copies(model, mode, tokenizer) if int8_copies else None)
     if plan.dense is not None:
-        dtypes = [plan.dense.dtype, *([] if plan.dense.fallback is None else [plan.dense.fallback])]
         logger.info("dense copies of the packed layers for steps of %d rows or more: %.0f MiB of %s",
-                    plan.dense.from_rows, dense_copy_bytes(model) / 2**20, " and ".join(map(str, dtypes)))
+                    plan.dense.from_rows, dense_copy_bytes(model) / 2**20, plan.dense.dtype)
     if mode != quantization:
         logger.info("quantization %s: %s (the precision %s ships in)", quantization, mode, spec)
     return LoadedModel(spec, model, tokenizer, context_length_of(model.config), torch_dtype, torch_device, mode, plan)

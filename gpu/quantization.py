@@ -52,12 +52,11 @@ INT4_ROW_MULTIPLE = 64  # output rows the packed int4 kernels tile by
 @dataclass(frozen=True, slots=True)
 class DenseCopy:
     """A packed layer's values kept dense in `dtype` too, multiplied instead from `from_rows` rows on.
-    torch.int8: 8-bit values with int8 activations (the module's note); a layer whose int8 copy would err
-    keeps one in `fallback` instead, a float dtype (None: no copy, the packed kernel at every row count)."""
+    torch.int8: 8-bit values with int8 activations (the module's note), only in the layers calibrated
+    for them; the others keep the packed kernel at every row count."""
 
     dtype: torch.dtype
     from_rows: int
-    fallback: torch.dtype | None = None
 
 
 class PackedLinear(nn.Module):
@@ -73,16 +72,13 @@ class PackedLinear(nn.Module):
         """`values()`: the dequantized weight [out, in], made only when a copy is kept. An int8 copy is
         kept only with its `smoothing` (gpu/calibration.py): the weight's input channels are multiplied by
         it and the activations' divided, so that a few large activation channels do not take all of a
-        row's 8 bits. Without one, the layer keeps the copy's fallback."""
+        row's 8 bits. Without one, the layer keeps no copy."""
         weight = scales = input_scales = None
-        dtype = None if dense is None else dense.dtype
-        if dtype == torch.int8 and smoothing is None:
-            dtype = dense.fallback if dense is not None else None
-        if dtype == torch.int8 and smoothing is not None:
+        if dense is not None and dense.dtype == torch.int8 and smoothing is not None:
             weight, scales = int8_per_row(values().float() * smoothing.float())
             weight, input_scales = weight.t().contiguous(), 1.0 / smoothing.float()
-        elif dtype is not None:
-            weight = values().to(dtype)
+        elif dense is not None and dense.dtype != torch.int8:
+            weight = values().to(dense.dtype)
         self.register_buffer("dense_weight", weight)
         self.register_buffer("dense_scales", scales)
         self.register_buffer("dense_input_scales", input_scales)

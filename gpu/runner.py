@@ -240,7 +240,6 @@ class ModelRunner:
         dense = self.loaded.kernel_plan.dense
         if dense is not None:
             variant += f"+dense-{str(dense.dtype).removeprefix('torch.')}-from{dense.from_rows}"
-            variant += "" if dense.fallback is None else f"-or-{str(dense.fallback).removeprefix('torch.')}"
         if self.cache.shape.dtype != self.loaded.dtype:
             variant += f"+kv-{self.cache.shape.dtype}"
         if self.lora is not None:

@@ -91,17 +91,6 @@ def test_the_fastest_dense_dtype_is_the_one_kept() -> None:
     assert (plan.dense_dtype, plan.dense_from_rows) == (torch.bfloat16, 1)
 
 
-@pytest.mark.parametrize(("bfloat16_ms", "fallback"), [(9.5, None), (6.0, torch.bfloat16)])
-def test_int8_copies_fall_back_to_a_float_copy_only_where_it_wins_too(bfloat16_ms: float,
-                                                                      fallback: torch.dtype | None) -> None:
-    def time_step(rows: int, kernel: str) -> float:
-        return {"packed": 10.0, "float32": 20.0, "bfloat16": bfloat16_ms, "int8": 5.0}[kernel] / 1e3
-
-    plan = measure_plan(time_step, [torch.float32, torch.bfloat16, torch.int8])
-    assert plan.dense == DenseCopy(torch.int8, 1, fallback)
-    assert linear_kernels.plan_from_json(linear_kernels.plan_as_json(plan)) == plan  # kept on disk as it is
-
-
 def test_the_plan_is_measured_once_per_machine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     model = build_builtin("tiny", seed=0)
     calls: list[int] = []

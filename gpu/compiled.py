@@ -222,19 +222,21 @@ class PackedForward:
 
     def __call__(self, step: StepInputs, keep: torch.Tensor) -> torch.Tensor:
         lora_mask = None if self.lora_rows is None else self.lora_rows.mask
-        compiled = self._compiled_large if self.runs_dense(step) else self._compiled
-        if not self.is_compiled or (self.runs_dense(step) and compiled is None):  # a layer scope's large step
+        large = self.runs_dense(step)
+        graph = self._compiled_large if large else self._compiled
+        regional = self._compiled_layer is not None and not large  # a layer scope's large steps run eagerly
+        if graph is None and not regional:
             return self._forward(step.input_ids, step.positions, keep, step.metadata, lora_mask)
         before = compilations_so_far()
         logits: torch.Tensor
-        if self._compiled_layer is not None:
+        if graph is None:
+            assert self._compiled_layer is not None
             mark_metadata_shapes(step.metadata)  # once per step: every layer gets the same metadata
             with compiled_layers_on_this_thread(self._compiled_layer):
                 logits = self._forward(step.input_ids, step.positions, keep, step.metadata, lora_mask)
         else:
-            assert compiled is not None
             mark_step_shapes(step, keep, lora_mask)
-            logits = compiled(step.input_ids, step.positions, keep, step.metadata, lora_mask)
+            logits = graph(step.input_ids, step.positions, keep, step.metadata, lora_mask)
         if self._compilations_at_ready is not None and compilations_so_far() > before:
             self.recompilations += compilations_so_far() - before
             logger.warning("the forward compiled again during serving (%d tokens, %d logits kept): %d so far",

@@ -252,8 +252,12 @@ def load_model(spec: str, *, device: str = "auto", dtype: str = "auto", seed: in
     plan = plan_linear_kernels(model, mode, torch_dtype, torch_device, choice=linear_kernels,
                                native_bfloat16=torch_device.type == "cuda" or cpu_multiplies_bfloat16(),
                                cache_dir=None if kernel_plan_dir is None else Path(kernel_plan_dir))
-    int8_copies = plan.dense is not None and plan.dense.dtype == torch.int8
-    quantize_linears(model, mode, plan.dense, calibrate_int8_copies(model, mode, tokenizer) if int8_copies else None)
+    smoothing = None
+    if plan.dense is not None and plan.dense.dtype == torch.int8:
+        smoothing = calibrate_int8_copies(model, mode, tokenizer)
+        if not smoothing:  # no layer keeps an int8 copy: no large steps' graph to compile for nothing
+            plan = KernelPlan(step_linears_ms=plan.step_linears_ms)
+    quantize_linears(model, mode, plan.dense, smoothing)
     if plan.dense is not None:
         logger.info("dense copies of the packed layers for steps of %d rows or more: %.0f MiB of %s",
                     plan.dense.from_rows, dense_copy_bytes(model) / 2**20, plan.dense.dtype)

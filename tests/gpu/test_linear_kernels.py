@@ -19,7 +19,15 @@ from gpu import calibration, linear_kernels
 from gpu.compiled import PackedForward, compilations_so_far, use_artifact_folder, warm_up_steps
 from gpu.linear_kernels import ROW_BUCKETS, KernelPlan, measure_plan, plan_linear_kernels
 from gpu.models import LoadedModel, build_builtin, load_model
-from gpu.quantization import DenseCopy, Int4WeightOnlyLinear, Int8WeightOnlyLinear, PackedLinear, int4_groups
+from gpu.quantization import (
+    DenseCopy,
+    Int4WeightOnlyLinear,
+    Int8WeightOnlyLinear,
+    PackedLinear,
+    int4_groups,
+    layer_modes,
+    quantize_linears,
+)
 from gpu.tokenizer import ByteTokenizer
 from tests.factories import assert_kv_all_free, collect, make_engine, make_request, make_runner, running, tokens_of
 from tests.gpu.reference import byte_prompt, hf_logits
@@ -102,15 +110,16 @@ def test_the_plan_is_measured_once_per_machine(tmp_path: Path, monkeypatch: pyte
     monkeypatch.setattr(linear_kernels, "measure_plan", measure)
     plans = [plan_linear_kernels(model, "int8", torch.float32, torch.device("cpu"), native_bfloat16=False,
                                  cache_dir=tmp_path) for _ in range(2)]
-    measured = KernelPlan(DenseCopy(torch.float32, 32), {1: {"packed": 1.0, "float32": 2.0}})
-    assert calls == [1] and plans[0] == plans[1] == measured
+    timings = {1: {"packed": 1.0, "float32": 2.0}}
+    measured = KernelPlan(DenseCopy(torch.float32, 32), timings, DenseCopy(torch.float32, 32), timings)
+    assert calls == [1, 1] and plans[0] == plans[1] == measured  # the layers, then the LM head apart
     [kept] = tmp_path.glob("linear-kernels-*.json")
-    assert json.loads(kept.read_text())["dense_from_rows"] == 32
+    assert json.loads(kept.read_text())["dense_from_rows"] == json.loads(kept.read_text())["head_from_rows"] == 32
     packed = plan_linear_kernels(model, "int8", torch.float32, torch.device("cpu"), native_bfloat16=False,
                                  choice="packed", cache_dir=tmp_path)
     unquantized = plan_linear_kernels(model, "none", torch.float32, torch.device("cpu"), native_bfloat16=False,
                                       cache_dir=tmp_path)
-    assert packed == unquantized == KernelPlan() and calls == [1]
+    assert packed == unquantized == KernelPlan() and calls == [1, 1]
 
 
 def test_a_timing_cycles_through_copies_of_the_layer_past_the_cache_as_a_step_reads_its_weights() -> None:
@@ -138,6 +147,45 @@ def test_a_real_measurement_times_every_kernel_up_to_its_decision(tmp_path: Path
     assert all(set(row) == kernels and min(row.values()) > 0 for row in plan.step_linears_ms.values())
     if plan.dense_from_rows is None:  # no dense win: every bucket was timed
         assert plan.dense_dtype is None and sorted(plan.step_linears_ms) == list(ROW_BUCKETS)
+    # The LM head is planned apart, on float copies only: an int8 copy's activations would round the logits.
+    assert plan.head_ms is not None
+    assert all(set(row) == {"packed", "float32"} and min(row.values()) > 0 for row in plan.head_ms.values())
+    model = build_builtin("tiny", seed=0)
+    assert linear_kernels.head_layout(model, "int4") == (model.config.hidden_size, model.config.vocab_size, "int8")
+    assert sum(linear_kernels.packed_layouts(model, "int4").values()) == len(layer_modes(model, "int4")) - 1
+
+
+def test_the_lm_head_keeps_its_own_copy_and_the_other_layers_theirs() -> None:
+    model = build_builtin("tiny", seed=0)
+    quantize_linears(model, "int4", DenseCopy(torch.float32, 16), head=DenseCopy(torch.bfloat16, 4))
+    head = model.get_output_embeddings()
+    assert isinstance(head, Int8WeightOnlyLinear) and head.switches_at_run_time
+    assert head.dense_weight is not None and head.dense_weight.dtype == torch.bfloat16 and head.dense_from_rows == 4
+    others = [m for m in model.modules() if isinstance(m, PackedLinear) and m is not head]
+    assert others and all(m.dense_from_rows == 16 and not m.switches_at_run_time for m in others)
+
+
+def test_the_lm_head_chooses_its_copy_by_the_rows_it_keeps_inside_a_compiled_graph() -> None:
+    """A compiled graph cannot know an LM head's kept rows against its copy's row count: the head chooses
+    when the step runs, in both directions within one graph, as the eager head does."""
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 256, bias=False)
+    head = Int8WeightOnlyLinear(linear, DenseCopy(torch.bfloat16, 8))
+    head.switches_at_run_time = True
+    packed_only = Int8WeightOnlyLinear(linear)
+    torch._dynamo.reset()
+    before = compilations_so_far()
+    compiled = torch.compile(lambda x: head(x), fullgraph=True)
+    for rows in (3, 20, 1, 9):
+        x = torch.randn(rows, 64)
+        torch._dynamo.decorators.mark_unbacked(x, 0)
+        with torch.inference_mode():
+            out, eager, packed = compiled(x), head(x), packed_only(x)
+        torch.testing.assert_close(out, eager)
+        # Below the row count the packed kernel's result exactly; from it, the copy's (bfloat16 rounding apart).
+        assert torch.equal(out, packed) == (rows < 8)
+        torch.testing.assert_close(out, packed, atol=0.05, rtol=0.02)
+    assert compilations_so_far() - before == 1  # one graph served every row count
 
 
 def model_with_copies(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, from_rows: int) -> LoadedModel:

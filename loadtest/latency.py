@@ -76,16 +76,32 @@ class PhaseResult:
         ttfts = [r.ttft_s for r in done if r.ttft_s is not None]
         gaps = [b - a for r in done for a, b in zip(r.chunk_times, r.chunk_times[1:], strict=False)]
         start, end = self.window
-        batch_chunks = sum(start <= t <= end for r in self.batch for t in r.chunk_times)
+        batch_tokens = sum(tokens_within(r, start, end) for r in self.batch)
         return {
             "phase": self.name, "interactive_requests": len(done),
             "errors": sum(r.outcome != OK for r in [*self.interactive, *self.batch]),
             "ttft_p50_s": percentile(ttfts, 50), "ttft_p99_s": percentile(ttfts, 99),
             "itl_p50_s": percentile(gaps, 50), "itl_p99_s": percentile(gaps, 99),
             "batch_requests": sum(r.outcome == OK for r in self.batch),
-            # content chunks, a token each on fairlane without coalescing and on llama.cpp's server
-            "batch_tokens_per_s": batch_chunks / self.seconds,
+            "batch_tokens_per_s": batch_tokens / self.seconds,
         }
+
+
+def tokens_within(record: RequestRecord, start: float, end: float) -> float:
+    """A request's output tokens (its usage) made within [start, end]: its first at its first chunk, the others
+    spread evenly up to its last chunk. Chunks alone undercount: a server may send a stream that fell behind
+    its pending tokens as one chunk (fairlane's `stream_coalesce`), where llama.cpp's sends a token a chunk."""
+    times = record.chunk_times
+    if not times:
+        return 0.0
+    tokens = max(record.completion_tokens, len(times))
+    first, last = times[0], times[-1]
+    counted = float(start <= first <= end)
+    if last > first:
+        counted += (tokens - 1) * max(0.0, min(end, last) - max(start, first)) / (last - first)
+    elif start <= first <= end:
+        counted = float(tokens)
+    return counted
 
 
 class PhaseRun:

@@ -9,7 +9,8 @@ import json
 from pathlib import Path
 
 from loadtest.__main__ import main
-from loadtest.latency import PHASES, LatencyConfig, build_latency_report, latency_table, run_latency
+from loadtest.client import RequestRecord
+from loadtest.latency import PHASES, LatencyConfig, build_latency_report, latency_table, run_latency, tokens_within
 from loadtest.workload import ANONYMOUS
 from tests.app.conftest import ServerThread, instant_context
 
@@ -50,3 +51,16 @@ def test_the_command_writes_its_report(tmp_path: Path) -> None:
     assert code == 0
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["phases"]["alone"]["interactive_requests"] > 0 and report["passed"]
+
+
+def test_a_streams_tokens_are_counted_where_they_were_made_even_when_chunks_carry_several() -> None:
+    """Ten tokens in four chunks (the server coalesced a stream that fell behind): all ten are counted, those
+    of the part of the stream within the window only."""
+    record = RequestRecord("t", "batch", 0.0, chunk_times=[1.0, 2.0, 3.0, 10.0], completion_tokens=10)
+    assert tokens_within(record, 0.0, 20.0) == 10
+    assert tokens_within(record, 5.5, 20.0) == 4.5  # nine tokens after the first, spread over 1 to 10 s
+    assert tokens_within(record, 0.0, 0.5) == 0
+    one_chunk = RequestRecord("t", "batch", 0.0, chunk_times=[1.0], completion_tokens=3)
+    assert tokens_within(one_chunk, 0.0, 2.0) == 3 and tokens_within(one_chunk, 1.5, 2.0) == 0
+    no_usage = RequestRecord("t", "batch", 0.0, chunk_times=[1.0, 2.0])  # no usage: a token a chunk
+    assert tokens_within(no_usage, 0.0, 2.0) == 2

@@ -125,6 +125,7 @@ def shaping_config_of(settings: Settings) -> ShapingConfig:
                          interactive_itl_target_s=None if target_ms is None else target_ms / 1000,
                          interactive_itl_slack=settings.interactive_itl_slack,
                          interactive_itl_decodes=settings.interactive_itl_decodes,
+                         interactive_batch_share=settings.interactive_batch_share,
                          interactive_itl_decodes_cross_tenant=settings.interactive_itl_decodes_cross_tenant,
                          interactive_ttft_slack=settings.interactive_ttft_slack,
                          arrival_budget_s=None if arrival_ms is None else arrival_ms / 1000,

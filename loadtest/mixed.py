@@ -150,7 +150,7 @@ def build_mixed_report(result: MixedResult, load_average: tuple[float, float],
     }
     report: dict[str, Any] = {
         "config": {k: v for k, v in asdict(result.config).items() if k != "tenants"},
-        "load_average": list(load_average), "summary": summary}
+        "load_average": list(load_average), "summary": summary, "requests": request_rows(result)}
     if against is not None:
         theirs = against["summary"]
         report["against"] = {"label": against["config"].get("label", ""), "ratios": {
@@ -159,6 +159,16 @@ def build_mixed_report(result: MixedResult, load_average: tuple[float, float],
             "jain_difference": None if summary["jain"] is None or theirs.get("jain") is None
             else summary["jain"] - theirs["jain"]}
     return report
+
+
+def request_rows(result: MixedResult) -> list[dict[str, Any]]:
+    """Each request of the trace in arrival order: what was asked and what came back, so a run's mean can be
+    traced to the requests that made it (one or two long waits decide it with 60 requests)."""
+    return [{"arrival_s": round(s.item.arrival_s, 3), "tenant": s.item.tenant, "prompt_tokens": s.item.prompt_tokens,
+             "output_tokens": s.item.output_tokens, "outcome": s.record.outcome,
+             "ttft_s": None if s.record.ttft_s is None else round(s.record.ttft_s, 3),
+             "e2e_s": None if s.ended_at is None else round(s.ended_at - s.record.sent_at, 3)}
+            for s in sorted(result.sent, key=lambda sent: sent.item.arrival_s)]
 
 
 def _service_while_both_backlogged(result: MixedResult) -> list[float]:

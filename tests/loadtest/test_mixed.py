@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from loadtest.__main__ import main
 from loadtest.mixed import DOCUMENT_TOKENS, poisson_trace
 from tests.app.conftest import ServerThread, instant_context
@@ -44,3 +46,7 @@ def test_the_command_sends_the_trace_and_compares_with_an_earlier_run(tmp_path: 
     assert summary["ttft_mean_s"] is not None and summary["ttft_p99_s"] >= summary["ttft_p50_s"]
     assert summary["jain"] is not None and 0.5 <= summary["jain"] <= 1.0
     assert report["against"]["label"] == "first" and report["against"]["ratios"]["ttft_mean_s"] is not None
+    rows = report["requests"]  # each request, in arrival order, with its lengths and what it waited
+    assert len(rows) == summary["requests"] and [r["arrival_s"] for r in rows] == sorted(r["arrival_s"] for r in rows)
+    assert all(r["outcome"] == "ok" and r["ttft_s"] is not None and r["e2e_s"] >= r["ttft_s"] for r in rows)
+    assert sum(r["ttft_s"] for r in rows) / len(rows) == pytest.approx(summary["ttft_mean_s"], abs=1e-2)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from itertools import pairwise
 from typing import Any
 
@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from gpu.tokenizer import ByteTokenizer, ChatMessage
-from tests.app.conftest import ServerThread, instant_context
+from tests.app.conftest import ServerThread, instant_context, stepped_server
 
 
 @pytest.fixture
@@ -198,15 +198,23 @@ def test_body_over_the_limit_is_413_while_streaming_in(instant_server: ServerThr
         assert_error(http.post("/v1/completions", content=chunks()), 413, code="request_too_large")
 
 
-def test_overload_is_503_with_retry_after(start_tiny_server: Callable[..., ServerThread]) -> None:
-    server = start_tiny_server(max_queued_requests=1)
-    body = {"model": server.model_name, "prompt": "hi", "max_tokens": 500, "ignore_eos": True, "stream": True}
-    with httpx.Client(base_url=server.base_url, timeout=30) as http:
-        with http.stream("POST", "/v1/completions", json=body) as first:
-            next(first.iter_bytes())  # running, and holding the one slot
-            refused = http.post("/v1/completions", json=body)
-        assert_error(refused, 503, code="server_overloaded")
-        assert refused.headers["retry-after"] == "1"
+def test_overload_is_503_with_retry_after() -> None:
+    """The first request holds the one place for as long as the test holds its steps (on a real model a
+    loaded machine let it finish before the second arrived)."""
+    server, executor = stepped_server(max_queued_requests=1)
+    body = {"model": server.model_name, "prompt": "hi", "max_tokens": 50, "ignore_eos": True, "stream": True}
+    try:
+        with httpx.Client(base_url=server.base_url, timeout=30) as http:
+            with http.stream("POST", "/v1/completions", json=body) as first:
+                executor.allow(1)  # its first token; the next step is held
+                next(first.iter_bytes())  # running, and holding the one place
+                refused = http.post("/v1/completions", json=body)
+                executor.open()
+            assert_error(refused, 503, code="server_overloaded")
+            assert refused.headers["retry-after"] == "1"
+    finally:
+        executor.open()
+        server.stop()
 
 
 class AlternatingRolesTokenizer(ByteTokenizer):

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import pytest
 
 from benchmarks.fake_executors import FakeExecutor
+from benchmarks.fake_executors import StepCostModel as SimulatedCosts
 from contract.plan import SamplingParams, ScheduledSequence, StepPlan, StepResult
 from scheduling.request import PriorityClass, Request
 from scheduling.scheduler import Scheduler, SchedulerConfig
@@ -279,21 +280,29 @@ class GroupedRowsCost:
         return linear + 0.004 + 0.0003 * len(plan.sequences)
 
 
+def streams_decoding(sim: Simulation, costs: SimulatedCosts, num_streams: int = 4,
+                     tenant_id: str = "default") -> list[Request]:
+    """The simulation's cost model calibrated on `costs`, then `num_streams` long interactive streams of
+    `tenant_id` started over its batch backlog, past their first tokens."""
+    sim.executor.costs = costs
+    for plan in sim.scheduler.calibration_steps():
+        sim.scheduler.observe_calibration(plan, costs.seconds(plan))
+    streams = [make_request(16, 400, priority=INTERACTIVE, tenant_id=tenant_id) for _ in range(num_streams)]
+    for stream in streams:
+        sim.scheduler.add_request(stream)
+    for _ in range(20):
+        sim.top_up_batch()
+        sim.step()
+    return streams
+
+
 def test_batch_rows_taken_in_groups_still_run_beside_four_streams() -> None:
     """Four streams decode beside a batch backlog on kernels that take rows in groups of four. A fifth row
     costs more than one step's room under the derived target (two lone decodes), so a bound on every step
     would never let batch run; with the room carried over, one step in a few holds a group of batch rows,
     and the streams' steps keep the target on average."""
     sim = Simulation(ShapingConfig())
-    sim.executor.costs = GroupedRowsCost()
-    for plan in sim.scheduler.calibration_steps():
-        sim.scheduler.observe_calibration(plan, GroupedRowsCost().seconds(plan))
-    streams = [make_request(16, 400, priority=INTERACTIVE) for _ in range(4)]
-    for stream in streams:
-        sim.scheduler.add_request(stream)
-    for _ in range(20):
-        sim.top_up_batch()
-        sim.step()
+    streams = streams_decoding(sim, GroupedRowsCost())
     lone_decode_s = sim.scheduler.shaper.cost_model.lone_decode_s
     assert lone_decode_s is not None and all(s.num_output_tokens > 1 for s in streams)
     seconds, batch_decodes = [], 0
@@ -316,15 +325,7 @@ def test_batch_rows_taken_in_groups_still_run_beside_four_streams() -> None:
 def streams_beside_batch(shaping: ShapingConfig, costs: KnownCost) -> tuple[list[float], float]:
     """Four streams decoding beside a batch backlog: each step's time, and the streams' own step's."""
     sim = Simulation(shaping)
-    sim.executor.costs = costs
-    for plan in sim.scheduler.calibration_steps():
-        sim.scheduler.observe_calibration(plan, costs.seconds(plan))
-    streams = [make_request(16, 400, priority=INTERACTIVE) for _ in range(4)]
-    for stream in streams:
-        sim.scheduler.add_request(stream)
-    for _ in range(20):
-        sim.top_up_batch()
-        sim.step()
+    streams = streams_decoding(sim, costs)
     seconds = []
     for _ in range(150):
         sim.top_up_batch()
@@ -352,15 +353,7 @@ def grouped_rows_steps(streams_tenant: str) -> tuple[list[float], int, float]:
     """Two streams of `streams_tenant` decoding beside the default tenant's batch backlog, on kernels taking
     rows in groups of four: each step's time, the batch decodes, and a lone decode's time."""
     sim = Simulation(ShapingConfig())
-    sim.executor.costs = GroupedRowsCost()
-    for plan in sim.scheduler.calibration_steps():
-        sim.scheduler.observe_calibration(plan, GroupedRowsCost().seconds(plan))
-    streams = [make_request(16, 400, priority=INTERACTIVE, tenant_id=streams_tenant) for _ in range(2)]
-    for stream in streams:
-        sim.scheduler.add_request(stream)
-    for _ in range(20):
-        sim.top_up_batch()
-        sim.step()
+    streams = streams_decoding(sim, GroupedRowsCost(), num_streams=2, tenant_id=streams_tenant)
     stream_ids = {s.request_id for s in streams}
     seconds, batch_decodes = [], 0
     for _ in range(200):

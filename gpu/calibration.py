@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from gpu.quantization import Quantization, int8_dynamic_linear, int8_per_row, layer_modes
+from gpu.quantization import Quantization, head_layer_name, int8_dynamic_linear, int8_per_row, layer_modes
 from gpu.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -76,8 +76,8 @@ def calibrate_int8_copies(model: Any, mode: Quantization, tokenizer: Tokenizer,
                           max_tokens: int = CALIBRATION_TOKENS) -> dict[str, torch.Tensor]:
     """The smoothing of every layer to be packed whose int8 copy keeps within INT8_MAX_ERROR, by module name;
     the model must still hold its float linear layers."""
-    head = model.get_output_embeddings()
-    names = [name for name in layer_modes(model, mode) if model.get_submodule(name) is not head]
+    head = head_layer_name(model)
+    names = [name for name in layer_modes(model, mode) if name != head]
     smoothing: dict[str, torch.Tensor] = {}
     errors: dict[str, float] = {}
 

@@ -89,6 +89,12 @@ class KernelPlan:
     def takes_dense(self, rows: int) -> bool:
         return self.dense_from_rows is not None and rows >= self.dense_from_rows
 
+    def graph_variant(self) -> str:
+        """What of the plan a compiled graph depends on: each copy's dtype and the rows it is taken from."""
+        copies = (("dense", self.dense), ("head", self.head))
+        return "".join(f"+{name}-{dtype_name(copy.dtype)}-from{copy.from_rows}"
+                       for name, copy in copies if copy is not None)
+
     def describe(self) -> str:
         layers = ("packed kernels at every row count" if self.dense is None else
                   f"packed kernels below {self.dense.from_rows} rows, {self.dense.dtype} dense copies from there")
@@ -158,13 +164,12 @@ def time_layer(linear: nn.Linear, mode: Quantization, rows: int, kernel: str, co
     """Seconds of one multiply of the layer at this row count, over copies enough to read it from memory
     as a step of `count` such layers would."""
     made: nn.Module
-    x = torch.randn(rows, linear.in_features, device=linear.weight.device, dtype=linear.weight.dtype)
-    if kernel == "packed":
-        made = packed_linear(linear, mode)
-    elif kernel == "int8":
-        made, x = Int8CopyMultiply(linear), torch.randint(-127, 128, x.shape, dtype=torch.int8, device=x.device)
+    shape, device = (rows, linear.in_features), linear.weight.device
+    if kernel == "int8":
+        made, x = Int8CopyMultiply(linear), torch.randint(-127, 128, shape, dtype=torch.int8, device=device)
     else:
-        made = DenseMultiply(linear, getattr(torch, kernel))
+        made = packed_linear(linear, mode) if kernel == "packed" else DenseMultiply(linear, getattr(torch, kernel))
+        x = torch.randn(shape, device=device, dtype=linear.weight.dtype)
     with torch.inference_mode():
         return median_seconds(cold_multiply(made, count), x, min_seconds, min_runs=3)
 

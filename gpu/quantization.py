@@ -108,9 +108,14 @@ class PackedLinear(nn.Module):
             out = int8_dynamic_linear(smoothed, self.dense_weight, self.dense_scales)
             out = out.view(*x.shape[:-1], self.dense_weight.shape[1])
         else:
-            out = nn.functional.linear(x.to(self.dense_weight.dtype), self.dense_weight)
+            out = float_copy_linear(x, self.dense_weight)
         out = out.to(x.dtype)
         return out if self.bias is None else out + self.bias
+
+
+def float_copy_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """A float dense copy's multiply, in the copy's dtype."""
+    return nn.functional.linear(x.to(weight.dtype), weight)
 
 
 def int8_per_row(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -166,7 +171,7 @@ def rows_switched_int8(x: torch.Tensor, weight_int8: torch.Tensor, scales: torch
     the step runs: its float dense copy from `from_rows` rows on, the packed kernel below. In the
     compute dtype."""
     if x.shape[0] >= from_rows:
-        return nn.functional.linear(x.to(dense_weight.dtype), dense_weight).to(x.dtype)
+        return float_copy_linear(x, dense_weight).to(x.dtype)
     out: torch.Tensor = torch.ops.aten._weight_int8pack_mm(x, weight_int8, scales)
     return out
 

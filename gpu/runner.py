@@ -236,13 +236,7 @@ class ModelRunner:
         """What besides the model, dtype and mode shapes the graph: the quantization, the dense copies and
         the rows from which the large steps' graph takes them, the LM head's copy, the KV pool's dtype
         where it is not the model's, and the LoRA slots."""
-        variant: str = self.loaded.quantization
-        dense = self.loaded.kernel_plan.dense
-        if dense is not None:
-            variant += f"+dense-{str(dense.dtype).removeprefix('torch.')}-from{dense.from_rows}"
-        head = self.loaded.kernel_plan.head
-        if head is not None:
-            variant += f"+head-{str(head.dtype).removeprefix('torch.')}-from{head.from_rows}"
+        variant: str = self.loaded.quantization + self.loaded.kernel_plan.graph_variant()
         if self.cache.shape.dtype != self.loaded.dtype:
             variant += f"+kv-{self.cache.shape.dtype}"
         if self.lora is not None:

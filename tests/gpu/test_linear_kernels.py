@@ -113,13 +113,14 @@ def test_the_plan_is_measured_once_per_machine(tmp_path: Path, monkeypatch: pyte
     timings = {1: {"packed": 1.0, "float32": 2.0}}
     measured = KernelPlan(DenseCopy(torch.float32, 32), timings, DenseCopy(torch.float32, 32), timings)
     assert calls == [1, 1] and plans[0] == plans[1] == measured  # the layers, then the LM head apart
+    assert measured.graph_variant() == "+dense-float32-from32+head-float32-from32"  # the artifacts' folder
     [kept] = tmp_path.glob("linear-kernels-*.json")
     assert json.loads(kept.read_text())["dense_from_rows"] == json.loads(kept.read_text())["head_from_rows"] == 32
     packed = plan_linear_kernels(model, "int8", torch.float32, torch.device("cpu"), native_bfloat16=False,
                                  choice="packed", cache_dir=tmp_path)
     unquantized = plan_linear_kernels(model, "none", torch.float32, torch.device("cpu"), native_bfloat16=False,
                                       cache_dir=tmp_path)
-    assert packed == unquantized == KernelPlan() and calls == [1, 1]
+    assert packed == unquantized == KernelPlan() and calls == [1, 1] and packed.graph_variant() == ""
 
 
 def test_a_timing_cycles_through_copies_of_the_layer_past_the_cache_as_a_step_reads_its_weights() -> None:

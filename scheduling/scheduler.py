@@ -258,7 +258,9 @@ class Scheduler:
         step = StepBuilder(plan, self.config.max_num_batched_tokens, self.blocks,
                            batch_floor_tokens=self._batch_reserve())
         made_room, interactive_demand = self._make_room_for_interactive(plan, step.tokens_left)
-        if self._schedule_running(step, interactive_demand):
+        ordered, num_interactive_decodes = self._running_in_order()
+        after_admission = self._served_past_waiting_batch(ordered)
+        if self._schedule_running(step, interactive_demand, ordered, num_interactive_decodes, after_admission):
             return None  # bringing work in right after pushing work out would only thrash
         self._open_shaped_budget(step, interactive_demand)
         self._short_step = bool(len(self.waiting[PriorityClass.INTERACTIVE])) and self._is_short(step.plan)
@@ -266,6 +268,8 @@ class Scheduler:
         # the forward); batch work waits for the next step. What must stay true: every swap-out of a
         # plan is decided before any swap-in, so no CPU block is freed and reused within one plan.
         self._resume_and_admit(step, (PriorityClass.INTERACTIVE,) if made_room else CLASSES, interactive_demand)
+        if after_admission < len(ordered):
+            self._schedule_in_order(step, interactive_demand, ordered, after_admission, len(ordered))
         return step
 
     def _speculate(self, step: StepBuilder, speculator: Speculator) -> None:
@@ -472,29 +476,36 @@ class Scheduler:
         tenants = self.load.backlogged(PriorityClass.INTERACTIVE)
         return len(tenants) > 1 or (len(tenants) == 1 and request.tenant_id not in tenants)
 
-    def _schedule_running(self, step: StepBuilder, interactive_demand: InteractiveDemand) -> bool:
-        """Interactive before batch, decodes before prefill chunks. Running batch work leaves
-        `interactive_demand` tokens for waiting interactive requests (less its batch_min_share).
-        Returns whether any was preempted.
+    def _schedule_running(self, step: StepBuilder, interactive_demand: InteractiveDemand, ordered: list[Request],
+                          num_interactive_decodes: int, stop: int) -> bool:
+        """The running requests `ordered` (see _running_in_order) before `stop`: interactive before batch,
+        decodes before prefill chunks. Returns whether any was preempted.
 
         Runs for every running request at every step, so the common case is kept to a few operations
         each: interactive decodes that all fit the token budget are taken in bulk (shaping never holds
         them back), a request whose blocks already have room (15 decodes in 16) needs no call to the
         block manager beyond reading its table, and a preempted request is skipped by its status."""
-        ordered, num_interactive_decodes = self._running_in_order()
         self._streams_decoding = num_interactive_decodes > 0
-        reserve = step.batch_floor_tokens
         preempted = False
         first_general = 0
-        if num_interactive_decodes <= step.tokens_left - reserve:
+        if num_interactive_decodes <= step.tokens_left - step.batch_floor_tokens:
             preempted = self._schedule_interactive_decodes(step, ordered, num_interactive_decodes)
             first_general = num_interactive_decodes
+        return self._schedule_in_order(step, interactive_demand, ordered, first_general, stop) or preempted
+
+    def _schedule_in_order(self, step: StepBuilder, interactive_demand: InteractiveDemand, ordered: list[Request],
+                           start: int, stop: int) -> bool:
+        """The running requests ordered[start:stop], each as much of its next work as the step's tokens,
+        chunk caps and shaping allow. Running batch work leaves `interactive_demand` tokens for waiting
+        interactive requests (less its batch_min_share). Returns whether any was preempted."""
+        reserve = step.batch_floor_tokens
+        preempted = False
         held_for_interactive = min(interactive_demand.tokens, self.config.max_num_batched_tokens - reserve)
         chunk_cap = {c: self._chunk_cap(c) for c in CLASSES}
         may_shape = self._may_shape()
         table_of, block_size = self.blocks.device_tables.get, self.geometry.block_size
         interactive, running = PriorityClass.INTERACTIVE, RequestStatus.RUNNING
-        for index in range(first_general, len(ordered)):
+        for index in range(start, stop):
             request = ordered[index]
             if request.status is not running:  # preempted earlier in this step
                 continue
@@ -569,8 +580,8 @@ class Scheduler:
 
     def _running_in_order(self) -> tuple[list[Request], int]:
         """Interactive before batch, decodes before prefill chunks, and otherwise in the order they started
-        running: a stable sort, made with list comprehensions instead of a key function call per request.
-        Also returns how many interactive decodes lead the list."""
+        running, batch work the least served tenant's first: a stable sort, made with list comprehensions
+        instead of a key function call per request. Also returns how many interactive decodes lead the list."""
         running = self.running
         if self.load.num_running(PriorityClass.BATCH):
             by_class = [[r for r in running if r.priority is p] for p in CLASSES]
@@ -582,11 +593,43 @@ class Scheduler:
             decodes = [r for r in requests if len(r.token_ids) - r.num_computed_tokens == 1]
             if index == 0:  # the interactive requests (all of them when no batch request runs)
                 num_interactive_decodes = len(decodes)
-            ordered += decodes
+            in_class = decodes
             if len(decodes) < len(requests):  # prefill chunks (and none left to compute, which are skipped)
-                ordered += self._in_each_tenants_order([r for r in requests
-                                                        if len(r.token_ids) - r.num_computed_tokens != 1])
+                in_class = decodes + self._in_each_tenants_order([r for r in requests
+                                                                  if len(r.token_ids) - r.num_computed_tokens != 1])
+            ordered += in_class if index == 0 else self._least_served_first(in_class, PriorityClass.BATCH)
         return ordered, num_interactive_decodes
+
+    def _served_past_waiting_batch(self, ordered: list[Request]) -> int:
+        """Where, in `ordered`, the running batch work of tenants served more than a tenant with batch
+        requests waiting begins (len(ordered) if none): that work takes what the step leaves once the
+        waiting requests have been offered their room. Running work takes its room before admission, so
+        one tenant's flood, running first, had taken every step's room, and a light tenant's small batch
+        waited behind it however little its counter read (6.2x its time alone). Work the fair queue says
+        comes first now starts first; a running request passed over keeps its blocks and its place."""
+        waiting = self.waiting[PriorityClass.BATCH]
+        if self.config.queue_policy != "vtc" or not len(waiting) or not self.load.num_running(PriorityClass.BATCH):
+            return len(ordered)
+        vtc = self.vtc[PriorityClass.BATCH]
+        least_waiting = min(vtc.get(t) for t in waiting.tenants())
+        for index in range(len(ordered) - 1, -1, -1):  # batch work is last, the least served tenant's first
+            request = ordered[index]
+            if request.priority is not PriorityClass.BATCH or vtc.get(request.tenant_id) <= least_waiting:
+                return index + 1
+        return 0
+
+    def _least_served_first(self, requests: list[Request], priority: PriorityClass) -> list[Request]:
+        """Running requests of one class, the tenant its fair queue has served least first (each tenant's in
+        the order given). Shaping gives a step's room to running batch work in this order until it is spent:
+        in the order they started, one tenant's flood admitted first took the room of every step, and a
+        light tenant's small batch beside it, admitted later, waited (6.2x its time alone) for a share its
+        counter said was its own. Interactive work is not reordered: its decodes are never held back."""
+        tenants = {r.tenant_id for r in requests}
+        if len(tenants) < 2:
+            return requests
+        vtc = self.vtc[priority]
+        served = {tenant_id: vtc.get(tenant_id) for tenant_id in tenants}
+        return sorted(requests, key=lambda r: served[r.tenant_id])  # stable: each tenant's order kept
 
     def _in_each_tenants_order(self, prompts: list[Request]) -> list[Request]:
         """Running prompts, each tenant's in its queue order: a tenant's short prompt started after its

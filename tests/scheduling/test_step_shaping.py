@@ -377,3 +377,34 @@ def test_another_tenants_batch_is_held_to_the_cross_tenant_target_in_every_step(
     own_seconds, own_batch_decodes, _ = grouped_rows_steps("default")
     assert sum(own_seconds) / len(own_seconds) > 1.5 * lone_decode_s
     assert own_batch_decodes > batch_decodes
+
+
+def test_a_light_tenants_small_batch_shares_the_room_a_flood_started_first_takes() -> None:
+    """One tenant's batch flood is running when a light tenant's small batch arrives, beside a third tenant's
+    streams: each step has room for a few batch rows. The room goes to the tenant its batch queue has served
+    least, not to the requests that started first, so the light batch gets about half the batch tokens
+    while both run, and ends long before the flood."""
+    sim = Simulation(ShapingConfig(), backlog=0)
+    flood = [make_request(16, 300, priority=BATCH, tenant_id="flood") for _ in range(16)]
+    for request in flood:
+        sim.scheduler.add_request(request)
+    sim.batch = list(flood)
+    streams_decoding(sim, GroupedRowsCost(), num_streams=2, tenant_id="chat")
+    light = [make_request(16, 40, priority=BATCH, tenant_id="light") for _ in range(4)]
+    for request in light:
+        sim.scheduler.add_request(request)
+    sim.batch += light
+    tokens = {"flood": 0, "light": 0}
+    light_ids = {r.request_id for r in light}
+    steps = 0
+    while not all(r.status.is_finished for r in light) and steps < 1000:
+        plan = sim.step()
+        steps += 1
+        for seq in plan.sequences:
+            if seq.request_id in light_ids:
+                tokens["light"] += len(seq.token_ids)
+            elif seq.request_id in {r.request_id for r in flood}:
+                tokens["flood"] += len(seq.token_ids)
+    assert all(r.status.is_finished for r in light)
+    assert not all(r.status.is_finished for r in flood)
+    assert tokens["light"] >= 0.4 * (tokens["light"] + tokens["flood"])

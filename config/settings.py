@@ -202,6 +202,11 @@ class Settings(BaseModel):
     # And re-attachments per minute, per tenant (None: no rate): one to a response that has ended replays
     # its whole event log at once, so a loop of them is cheap for the client and not for the server.
     tenant_reattaches_per_minute: int | None = Field(default=120, ge=1)
+    # Past this many 429s a second to one tenant, its next 429s are answered after `refusal_pause_s`
+    # (app/plumbing/rejection_pacing.py): a client looping on a limit takes the event loop and the CPU
+    # from every other tenant. None: every 429 at once.
+    tenant_refusals_per_s: float | None = Field(default=20.0, gt=0)
+    refusal_pause_s: float = Field(default=1.0, gt=0, le=30)
     batch_window_s: int = Field(default=24 * 3600, ge=1)  # the "24h" completion window, in seconds
     batch_max_in_flight: int = Field(default=32, ge=1)  # batch items in the engine at once, all batches
     batch_poll_s: float = Field(default=1.0, gt=0)  # how often expiry is checked without other events

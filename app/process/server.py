@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from types import FrameType
 from typing import Any
@@ -33,6 +33,7 @@ from app.plumbing.asgi import CLIENT_CLOSED_STATUS, ClientGone, RequestIdMiddlew
 from app.plumbing.errors import APIError, api_error_handler, http_exception_handler, unexpected_error_handler
 from app.plumbing.http_limits import BodyTimeoutMiddleware, header_timeout_protocol, uvicorn_limit_concurrency
 from app.plumbing.private_dirs import prepare_data_dirs
+from app.plumbing.rejection_pacing import ErrorHandler, RejectionPacing
 from app.process.flags import add_model_flags, settings_from_args
 from app.responses.api import ResponsesAPI
 from app.serving.context import ServingContext
@@ -88,14 +89,22 @@ def create_app(context: ServingContext) -> ASGIApp:
     anthropic = AnthropicRoutes(context)
     routes = [*openai.routes(), *anthropic.routes(), *tokenization.routes(), *batches.routes, *responses.routes,
               *observability.routes()]
+    pacing = refusal_pacing(settings)
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={
-        APIError: observability.count_rejections(api_error_handler),
-        AnthropicError: observability.count_rejections(anthropic_error_handler),
+        APIError: observability.count_rejections(pacing(api_error_handler)),
+        AnthropicError: observability.count_rejections(pacing(anthropic_error_handler)),
         HTTPException: http_exception_handler,
         ClientGone: _client_gone_handler,
         Exception: unexpected_error_handler,
     })
     return RequestIdMiddleware(app)
+
+
+def refusal_pacing(settings: Settings) -> Callable[[ErrorHandler], ErrorHandler]:
+    """What wraps the API error handlers: each tenant's 429s paced past its free rate, or nothing."""
+    if settings.tenant_refusals_per_s is None:
+        return lambda handler: handler
+    return RejectionPacing(settings.tenant_refusals_per_s, settings.refusal_pause_s).paced
 
 
 async def drain(context: ServingContext) -> None:

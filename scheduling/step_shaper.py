@@ -188,6 +188,7 @@ class StepShaper:
             target = self._target_s(predicted)
             if tenant_target_s is not None:
                 target = min(target, tenant_target_s)
+            streams_target = target
             if predicted > target:
                 self.counters.itl_target_missed_steps += 1
             starts_a_prompt = _starts_a_prompt(step, interactive_demand)
@@ -205,14 +206,25 @@ class StepShaper:
             step.cross_tenant_time_left_s = max(0.0, min(target, cross_tenant_target) - predicted)
             if derived:
                 self._unsettled = (step.plan, target, ceiling - target)
-            # Tenants' long prompts take turns: a step in long_prompt_every, up to the arrival budget (or the
-            # tenant's target); the streams' other steps hold none of them. On a CPU a few prompt tokens
-            # in every step would cost more: a step's first rows past a decode are its dearest.
+            # Tenants' long prompts take turns: a step in long_prompt_every, up to the arrival budget or the
+            # streams' own target if longer (a tenant's target bounds both); the streams' other steps hold
+            # none of them. On a CPU a few prompt tokens in every step would cost more: a step's first rows
+            # past a decode are its dearest.
             every, waits = self.config.long_prompt_every, self._long_prompt_waits
             step.long_prompt_turn = waits >= every - 1 and (not starts_a_prompt or waits >= 2 * every - 1)
-            turn_s = arrival_budget if tenant_target_s is None else min(arrival_budget, tenant_target_s)
+            turn_s = self._turn_s(arrival_budget, streams_target, tenant_target_s)
             step.prompt_time_left_s = max(0.0, turn_s - predicted)
         self.counters.shaped_steps += 1
+
+    @staticmethod
+    def _turn_s(arrival_budget_s: float, streams_target_s: float, tenant_target_s: float | None) -> float:
+        """How long a step holding a turn of tenants' long prompts may take: the arrival budget, or the
+        streams' own target when longer (many streams decoding: their step alone is past the budget).
+        Held to the budget alone, a turn beside 20-30 decoding streams got one block, and a 2,000-token
+        prompt took 43-86 s to its first token on the mixed-length trace while prompts of the other tenant
+        went by. A tenant's ITL target bounds the turn too."""
+        turn_s = max(arrival_budget_s, streams_target_s)
+        return turn_s if tenant_target_s is None else min(turn_s, tenant_target_s)
 
     def _target_s(self, interactive_predicted_s: float) -> float:
         """The streams' own target: a fixed one, or the derived one, at least what leaves batch work

@@ -21,9 +21,10 @@ LONG_PROMPT = 520
 class TwoTenants:
     """A scheduler fed its step times on a virtual clock, as the engine feeds real ones."""
 
-    def __init__(self, shaping: ShapingConfig | None = None, max_num_batched_tokens: int = 2048) -> None:
+    def __init__(self, shaping: ShapingConfig | None = None, max_num_batched_tokens: int = 2048,
+                 max_num_seqs: int = 32) -> None:
         self.clock = VirtualClock()
-        config = SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=max_num_batched_tokens,
+        config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                  shaping=shaping or ShapingConfig(arrival_window_s=10.0))
         self.scheduler: Scheduler = make_scheduler(config, num_device_blocks=4096, max_model_len=4096)
         self.scheduler.clock = self.clock
@@ -81,6 +82,28 @@ def test_a_neighbours_long_prompts_take_one_step_in_four_of_another_tenants_stre
     assert max(seconds for _, seconds in shared) <= sim.arrival_budget_s * 1.05
     assert sum(r.status.is_finished for r in sim.neighbour_prompts) >= 2  # the long prompts progress
     assert sim.scheduler.snapshot().step_cost.long_prompt_tokens_deferred > 0  # what /stats shows
+
+
+def test_beside_streams_whose_own_step_is_past_the_arrival_budget_a_long_prompts_turn_is_theirs_to_share(
+) -> None:
+    """Forty light streams decode, their own step (50 ms) past the arrival budget (four lone decodes, 44 ms):
+    a turn held to the budget would get one block, and the neighbour's long prompt would wait hundreds of
+    steps for its first token. The turn takes up to the streams' own target instead, one step in four."""
+    sim = TwoTenants(max_num_seqs=64)
+    streams = [sim.add(8, 2000, "light") for _ in range(40)]
+    while not all(r.num_output_tokens > 1 for r in streams):
+        sim.step()
+    sim.scheduler.vtc[INTERACTIVE].charge("neighbour", 100_000, 0)  # it has had more service than the streams
+    streams_step_s = COST.overhead_s + len(streams) * COST.per_token_s
+    assert streams_step_s > sim.arrival_budget_s
+    prompt = sim.add(LONG_PROMPT, 1, "neighbour")
+    seconds = []
+    while not prompt.status.is_finished and len(seconds) < 1000:
+        seconds.append(sim.step()[1])
+    assert prompt.status.is_finished and len(seconds) <= 150
+    target_s = streams_step_s / (1 - ShapingConfig().interactive_batch_share)
+    assert max(seconds) <= target_s * 1.05
+    assert sum(s <= streams_step_s + 1e-9 for s in seconds) >= 0.7 * len(seconds)  # most steps are the streams'
 
 
 def test_an_arriving_prompt_waits_for_no_long_step_of_another_tenants_prompt() -> None:

@@ -97,7 +97,7 @@ def test_beside_streams_whose_own_step_is_past_the_arrival_budget_a_long_prompts
     streams_step_s = COST.overhead_s + len(streams) * COST.per_token_s
     assert streams_step_s > sim.arrival_budget_s
     prompt = sim.add(LONG_PROMPT, 1, "neighbour")
-    seconds = []
+    seconds: list[float] = []
     while not prompt.status.is_finished and len(seconds) < 1000:
         seconds.append(sim.step()[1])
     assert prompt.status.is_finished and len(seconds) <= 150

@@ -9,7 +9,13 @@ A step's time is not one line on every machine: a CPU's kernels change with the 
 weight-only kernels below some rows, a dense copy above, on the default model a jump of 50 ms), so the
 line alone can miss a lone decode by 2x. The prediction is the line plus what it missed by lately for
 steps of about that many tokens: the median residual per bucket of the token count (each count up to 16
-its own, then powers of two), interpolated in the token count between the buckets seen.
+its own, then powers of two), interpolated in the token count between the buckets seen. A bucket keeps
+its last steps, not what the line missed them by: the residuals are taken again against each new fit.
+Kept as misses of the line of their day, they went stale at every refit, and where the terms are nearly
+collinear (a window of one step kind: decode rows are tokens and sequences alike) a refit moves the line
+a lot: four fresh servers' fits read an attention cost of 3.5e-5 to 2.0e-3 s a unit and a batch decode's
+added cost of 2.1 to 3.4 ms. A window that went from lone decodes to four-row steps left a lone decode
+predicted at 28.5 ms for its 10 (tests/scheduling/test_step_shaping.py).
 
 Timed steps of each kind (scheduling/calibration.py) anchor it from the start: they are fitted at once
 and stay in every later fit, so the window's steps, often all of one kind, refine it without leaving the
@@ -74,6 +80,11 @@ class CostCoefficients:
         return (self.fixed_s + self.per_token_s * work.tokens + self.per_sequence_s * work.sequences
                 + self.per_attention_s * work.attention + self.per_swapped_block_s * work.swapped_blocks)
 
+    def predict_terms(self, terms: tuple[float, ...]) -> float:
+        """The prediction for a step's terms (StepWork.terms)."""
+        return (self.fixed_s + self.per_token_s * terms[1] + self.per_sequence_s * terms[2]
+                + self.per_attention_s * terms[3] + self.per_swapped_block_s * terms[4])
+
     def added_by(self, num_new: int, start_position: int) -> float:
         """The cost one more sequence of num_new tokens from start_position adds to a step."""
         return (self.per_token_s * num_new + self.per_sequence_s
@@ -90,11 +101,11 @@ class StepCostModel:
         self._errors: deque[float] = deque(maxlen=window)  # |predicted - measured| / measured
         self._since_fit = 0
         self.coefficients: CostCoefficients | None = None  # None until min_samples steps were seen
-        # Per bucket of a step's token count (powers of two): the median of what the line's predictions
-        # missed by lately (a median: a garbage collection's pause moves it not at all). A CPU's kernels
-        # change with the row count (packed below some rows, dense above), so a step's time is not one
-        # line; the line plus its bucket's residual follows it. A bucket never seen takes its neighbours'.
-        self._missed: dict[int, deque[tuple[int, float]]] = {}  # (tokens, missed by) per bucket
+        # Per bucket of a step's token count (powers of two): its last steps, and the median of what the
+        # current line misses them by (a median: a garbage collection's pause moves it not at all). A CPU's
+        # kernels change with the row count (packed below some rows, dense above), so a step's time is not
+        # one line; the line plus its bucket's residual follows it. A bucket never seen takes its neighbours'.
+        self._kept: dict[int, deque[tuple[tuple[float, ...], float]]] = {}  # (terms, measured) per bucket
         self._residuals: dict[int, tuple[float, float]] = {}  # per bucket: (its steps' mean tokens, median missed)
         # Their values sorted by token count, kept with them: a step asks for residuals once per decode and
         # proposal count when it weighs speculation (scheduling/speculation.py).
@@ -122,7 +133,7 @@ class StepCostModel:
         steps of the new forward have been seen (or it is calibrated again)."""
         self._samples.clear()
         self._anchors.clear()
-        self._missed.clear()
+        self._kept.clear()
         self._residuals.clear()
         self._residual_points = []
         self._errors.clear()
@@ -135,12 +146,10 @@ class StepCostModel:
         self._anchors.append((work.terms(), measured_s))
         self._note_lone_decode(work, measured_s)
         if len(self._anchors) >= 2 * NUM_TERMS or len(self._anchors) + len(self._samples) >= self.min_samples:
-            self.coefficients = fit([*self._anchors, *self._samples])
-            self._since_fit = 0
-            self._missed.clear()
+            self._kept.clear()
             for terms, seconds in self._anchors:
-                anchor = StepWork(int(terms[1]), int(terms[2]), terms[3], int(terms[4]))
-                self._note_residual(anchor, seconds - self.coefficients.predict(anchor))
+                self._keep(terms, seconds)
+            self._refit()
 
     @property
     def num_anchors(self) -> int:
@@ -153,25 +162,40 @@ class StepCostModel:
             self._errors.append(abs(predicted - measured_s) / measured_s)
         self.last_predicted_s, self.last_measured_s = predicted, measured_s
         self._note_lone_decode(work, measured_s)
+        terms = work.terms()
+        bucket = self._keep(terms, measured_s)
         if self.coefficients is not None:
-            self._note_residual(work, measured_s - self.coefficients.predict(work))
-        self._samples.append((work.terms(), measured_s))
+            self._residuals[bucket] = self._residual_of(self._kept[bucket])
+            self._residual_points = sorted(self._residuals.values())
+        self._samples.append((terms, measured_s))
         self._since_fit += 1
         if len(self._samples) + len(self._anchors) >= self.min_samples and (
                 self.coefficients is None or self._since_fit >= self.refit_every):
-            self.coefficients = fit([*self._anchors, *self._samples])
-            self._since_fit = 0
+            self._refit()
             self.median_error = median(self._errors) if self._errors else None
         elif self.median_error is None and self._errors:  # the first predictions: do not wait for a refit
             self.median_error = median(self._errors)
 
-
-    def _note_residual(self, work: StepWork, missed_s: float) -> None:
-        bucket = _bucket(work.tokens)
-        missed = self._missed.setdefault(bucket, deque(maxlen=RESIDUALS_KEPT))
-        missed.append((work.tokens, missed_s))
-        self._residuals[bucket] = (sum(t for t, _ in missed) / len(missed), median(m for _, m in missed))
+    def _refit(self) -> None:
+        """Fit the line to the anchors and the window, and take every bucket's residual against it."""
+        coefficients = self.coefficients = fit([*self._anchors, *self._samples])
+        self._since_fit = 0
+        self._residuals = {bucket: self._residual_of(kept, coefficients) for bucket, kept in self._kept.items()}
         self._residual_points = sorted(self._residuals.values())
+
+    def _keep(self, terms: tuple[float, ...], measured_s: float) -> int:
+        """Keep a step in its bucket; the bucket."""
+        bucket = _bucket(int(terms[1]))
+        self._kept.setdefault(bucket, deque(maxlen=RESIDUALS_KEPT)).append((terms, measured_s))
+        return bucket
+
+    def _residual_of(self, kept: deque[tuple[tuple[float, ...], float]],
+                     coefficients: CostCoefficients | None = None) -> tuple[float, float]:
+        """A bucket's steps' mean token count, and the median of what the line misses them by."""
+        line = coefficients or self.coefficients
+        assert line is not None
+        return (sum(terms[1] for terms, _ in kept) / len(kept),
+                median(seconds - line.predict_terms(terms) for terms, seconds in kept))
 
     def _note_lone_decode(self, work: StepWork, measured_s: float) -> None:
         """A lone decode's time is measured, not predicted: steps are not linear in their tokens on every

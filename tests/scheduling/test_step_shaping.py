@@ -66,6 +66,28 @@ def test_cost_model_predicts_nothing_before_it_has_seen_enough_steps() -> None:
     assert model.predict(StepWork(tokens=4, sequences=4)) is None
 
 
+def test_a_rare_step_kind_is_predicted_at_its_time_after_refits_move_the_line() -> None:
+    """Steps whose time is not one line (a CPU's kernels by row count), in a window whose kind changes: the
+    line moves at every refit, and a step kind seen once in ten is still predicted at its measured time,
+    its residual taken against the line of the day, not the one it was first missed by."""
+    seconds_of = {1: 0.010, 4: 0.030, 8: 0.032}  # rows: seconds, no line through them
+    model = StepCostModel(window=64, refit_every=8)
+
+    def decodes(rows: int) -> StepWork:
+        work = StepWork()
+        for _ in range(rows):
+            work.add_sequence(1, 100)
+        return work
+
+    for phase_rows in (1, 4):  # the window holds lone decodes, then four-row steps
+        for step in range(200):
+            rows = 8 if step % 10 == 0 else phase_rows
+            model.observe(decodes(rows), seconds_of[rows])
+    for rows, seconds in seconds_of.items():
+        predicted = model.predict(decodes(rows))
+        assert predicted is not None and abs(predicted - seconds) <= 0.01 * seconds
+
+
 def test_a_changed_forward_makes_the_model_forget_the_old_step_times() -> None:
     """The runner reports the first step of its compiled forward (a background compilation ended): the
     eager steps before it would make every prediction several times too long, so they are dropped, and
@@ -373,7 +395,7 @@ def test_another_tenants_batch_is_held_to_the_cross_tenant_target_in_every_step(
     tenant's batch work takes their steps to twice a lone decode on average."""
     seconds, batch_decodes, lone_decode_s = grouped_rows_steps("light")
     assert max(seconds) <= 1.3 * lone_decode_s * 1.05
-    assert batch_decodes >= 200  # two rows a step, within the group of four
+    assert batch_decodes >= 100  # a row or two a step, within the group of four
     own_seconds, own_batch_decodes, _ = grouped_rows_steps("default")
     assert sum(own_seconds) / len(own_seconds) > 1.5 * lone_decode_s
     assert own_batch_decodes > batch_decodes

@@ -178,9 +178,9 @@ class StepCostModel:
 
     def _refit(self) -> None:
         """Fit the line to the anchors and the window, and take every bucket's residual against it."""
-        coefficients = self.coefficients = fit([*self._anchors, *self._samples])
+        self.coefficients = fit([*self._anchors, *self._samples])
         self._since_fit = 0
-        self._residuals = {bucket: self._residual_of(kept, coefficients) for bucket, kept in self._kept.items()}
+        self._residuals = {bucket: self._residual_of(kept) for bucket, kept in self._kept.items()}
         self._residual_points = sorted(self._residuals.values())
 
     def _keep(self, terms: tuple[float, ...], measured_s: float) -> int:
@@ -189,10 +189,9 @@ class StepCostModel:
         self._kept.setdefault(bucket, deque(maxlen=RESIDUALS_KEPT)).append((terms, measured_s))
         return bucket
 
-    def _residual_of(self, kept: deque[tuple[tuple[float, ...], float]],
-                     coefficients: CostCoefficients | None = None) -> tuple[float, float]:
-        """A bucket's steps' mean token count, and the median of what the line misses them by."""
-        line = coefficients or self.coefficients
+    def _residual_of(self, kept: deque[tuple[tuple[float, ...], float]]) -> tuple[float, float]:
+        """A bucket's steps' mean token count, and the median of what the current line misses them by."""
+        line = self.coefficients
         assert line is not None
         return (sum(terms[1] for terms, _ in kept) / len(kept),
                 median(seconds - line.predict_terms(terms) for terms, seconds in kept))

@@ -10,7 +10,8 @@ import httpx
 
 from app.plumbing.rejection_pacing import RejectionPacing
 from tests.app.conftest import stepped_server
-from tests.app.test_responses_background_stream import client_of, id_of, read_deltas, reattach
+from tests.app.test_responses_background_stream import client_of, reattach, running_streamed_response
+from tests.factories import wait_until
 
 
 def test_refusals_past_the_free_rate_are_paused_each_tenant_apart() -> None:
@@ -27,8 +28,7 @@ async def test_a_tenant_holds_at_most_max_paused_refusals_the_rest_answered_at_o
     pacing = RejectionPacing(free_per_s=1, pause_s=30, max_paused=2)
     pacing.pause_for("alice")  # its free refusal
     paused = [asyncio.create_task(pacing.pace("alice")) for _ in range(2)]
-    await asyncio.sleep(0)
-    assert pacing.paused["alice"] == 2
+    await wait_until(lambda: pacing.paused["alice"] == 2)
     assert pacing.pause_for("alice") == 0.0  # past max_paused: at once
     for task in paused:
         task.cancel()
@@ -42,11 +42,7 @@ def test_a_client_looping_on_a_429_is_paced_by_the_server() -> None:
                                       refusal_pause_s=pause_s)
     try:
         with client_of(server) as client:
-            created = client.responses.create(model=server.model_name, input="Hi", background=True, stream=True,
-                                              max_output_tokens=40)
-            executor.allow(2)
-            with created:
-                response_id = id_of(read_deltas(created, 1))
+            response_id = running_streamed_response(client, server, executor)
             with reattach(client, response_id) as following:
                 next(iter(following))  # holds the tenant's one slot: every other re-attachment is a 429
                 took = []

@@ -24,7 +24,7 @@ from app.responses.events import rebuilt_events
 from app.responses.replay import EventLog, EventLogs
 from app.responses.store import ResponseQuota, ResponseStore
 from benchmarks.fake_executors import script_text
-from tests.app.conftest import ServerThread, fresh_db_path, instant_context, stepped_server, wait_for
+from tests.app.conftest import ServerThread, SteppedExecutor, fresh_db_path, instant_context, stepped_server, wait_for
 from tests.tenants_files import tenants_toml
 
 SCRIPT = "Hello from fairlane."
@@ -458,15 +458,20 @@ def test_background_responses_at_once_are_bounded_per_tenant() -> None:
         server.stop()
 
 
+def running_streamed_response(client: openai.OpenAI, server: ServerThread, executor: SteppedExecutor) -> str:
+    """A streamed background response past its first delta, left running (its creator gone): its id."""
+    created = client.responses.create(model=server.model_name, input="Hi", background=True, stream=True,
+                                      max_output_tokens=40)
+    executor.allow(2)
+    with created:
+        return id_of(read_deltas(created, 1))
+
+
 def test_a_reattachment_past_the_tenants_bound_is_a_429_until_one_closes() -> None:
     server, executor = stepped_server(tenant_max_reattached_streams=1)
     try:
         with client_of(server) as client:
-            created = client.responses.create(model=server.model_name, input="Hi", background=True, stream=True,
-                                              max_output_tokens=40)
-            executor.allow(2)
-            with created:
-                response_id = id_of(read_deltas(created, 1))
+            response_id = running_streamed_response(client, server, executor)
             with reattach(client, response_id) as following:
                 next(iter(following))
                 with pytest.raises(openai.RateLimitError):

@@ -77,11 +77,10 @@ class CostCoefficients:
     per_swapped_block_s: float
 
     def predict(self, work: StepWork) -> float:
-        return (self.fixed_s + self.per_token_s * work.tokens + self.per_sequence_s * work.sequences
-                + self.per_attention_s * work.attention + self.per_swapped_block_s * work.swapped_blocks)
+        return self.predict_terms(work.terms())
 
     def predict_terms(self, terms: tuple[float, ...]) -> float:
-        """The prediction for a step's terms (StepWork.terms)."""
+        """The prediction for a step's terms (StepWork.terms: the constant 1, then the four counts)."""
         return (self.fixed_s + self.per_token_s * terms[1] + self.per_sequence_s * terms[2]
                 + self.per_attention_s * terms[3] + self.per_swapped_block_s * terms[4])
 

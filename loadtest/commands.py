@@ -89,6 +89,10 @@ def latency_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-words", type=int, default=45, help="about 60 tokens")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--warmup", type=float, default=5.0, help="seconds of each phase not measured")
+    p.add_argument("--with", dest="earlier", action="append", default=[], metavar="REPORT",
+                   help="an earlier run's report.json (another freshly started server): its phases join this report")
+    p.add_argument("--peer", metavar="REPORT", help="another server's report.json: the flood's batch tokens/s "
+                                                    "against its")
     return p
 
 
@@ -162,8 +166,10 @@ def _latency(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
                            args.phase_seconds, args.interactive_streams, args.batch_streams, args.prompt_words,
                            args.max_tokens, args.seed, args.warmup)
     load_before = os.getloadavg()[0]
+    earlier = [json.loads(Path(path).read_text()) for path in args.earlier]
+    peer = json.loads(Path(args.peer).read_text()) if args.peer else None
     phases = asyncio.run(run_latency(config))
-    report = build_latency_report(config, phases, (load_before, os.getloadavg()[0]))
+    report = build_latency_report(config, phases, (load_before, os.getloadavg()[0]), earlier, peer)
     return report, write_latency_report(report, Path(args.out))
 
 

@@ -9,7 +9,9 @@ Every request has a seeded prompt of about `prompt_words` words (its own first w
 shared) and generates exactly `max_tokens` tokens (`ignore_eos`); the streams start a moment apart so
 their requests do not arrive in lockstep. Any OpenAI-compatible server can be measured (llama.cpp's
 ignores `service_tier`: its "batch" streams are plain ones). For a phase on a freshly started server,
-run one phase per server with `--phases`.
+run one phase per server with `--phases`, and give the earlier runs' reports to the last with `--with`:
+its report then holds every phase and the ratios. `--peer` takes another server's report (llama.cpp's,
+run the same way) and adds the flood's batch tokens/s against the peer's.
 
 The report: per phase, TTFT and ITL p50/p99 of the interactive requests, batch output tokens/s, errors,
 and the ratios to the alone phase; it passes when the ratios are within the targets given.
@@ -51,6 +53,7 @@ class LatencyConfig:
     targets: dict[str, float] = field(default_factory=lambda: {
         "interactive.ttft_p50": 1.5, "interactive.itl_p50": 2.0,
         "flood.ttft_p50": 1.5, "flood.ttft_p99": 3.0, "flood.itl_p50": 2.0})
+    batch_floor_vs_peer: float = 0.5  # the flood's batch tokens/s at least this times a peer report's
 
     def check(self) -> None:
         unknown = set(self.phases) - set(PHASES)
@@ -146,9 +149,14 @@ async def run_latency(config: LatencyConfig) -> list[PhaseResult]:
         return [await PhaseRun(config, http, model, name).run() for name in config.phases]
 
 
-def build_latency_report(config: LatencyConfig, phases: Sequence[PhaseResult], load: Sequence[float]
-                         ) -> dict[str, Any]:
-    summaries = {p.name: p.summary() for p in phases}
+def build_latency_report(config: LatencyConfig, phases: Sequence[PhaseResult], load: Sequence[float],
+                         earlier: Sequence[dict[str, Any]] = (), peer: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The phases run, beside those of `earlier` reports (each phase on its own freshly started server: a
+    phase run here replaces an earlier one of its name), their ratios to the alone phase, and with a `peer`
+    report (another server's, same command) the flood's batch tokens/s against the peer's."""
+    run = {p.name: p.summary() for p in phases}
+    gathered = {name: summary for report in earlier for name, summary in report["phases"].items()} | run
+    summaries = {name: gathered[name] for name in PHASES if name in gathered}
     ratios: dict[str, float | None] = {}
     alone = summaries.get("alone")
     for name, summary in summaries.items():
@@ -159,10 +167,22 @@ def build_latency_report(config: LatencyConfig, phases: Sequence[PhaseResult], l
             ratios[f"{name}.{key}"] = value / base if base and value is not None else None
     missed = [f"{key} {ratios[key]:.2f}x > {limit}x" for key, limit in config.targets.items()
               if ratios.get(key) is not None and ratios[key] > limit]  # type: ignore[operator]
+    peer_tokens_per_s = _flood_batch_tokens_per_s(peer)
+    peer_batch = (summaries["flood"]["batch_tokens_per_s"] / peer_tokens_per_s
+                  if peer_tokens_per_s and "flood" in summaries else None)
+    if peer_batch is not None and peer_batch < config.batch_floor_vs_peer:
+        missed.append(f"flood.batch_vs_peer {peer_batch:.2f}x < {config.batch_floor_vs_peer}x")
     errors = sum(s["errors"] for s in summaries.values())
     return {"config": {k: v for k, v in asdict(config).items() if k != "tenant"}, "load_average": list(load),
-            "phases": summaries, "ratios_to_alone": ratios, "missed": missed,
-            "passed": not missed and not errors}
+            "phases": summaries, "ratios_to_alone": ratios, "batch_vs_peer": peer_batch,
+            "peer_batch_tokens_per_s": peer_tokens_per_s,
+            "missed": missed, "passed": not missed and not errors}
+
+
+def _flood_batch_tokens_per_s(report: dict[str, Any] | None) -> float | None:
+    """A report's flood batch tokens/s, if it ran a flood."""
+    flood = None if report is None else report["phases"].get("flood")
+    return None if flood is None else float(flood["batch_tokens_per_s"])
 
 
 def latency_table(report: dict[str, Any]) -> str:
@@ -176,6 +196,9 @@ def latency_table(report: dict[str, Any]) -> str:
     table = format_table([["phase", "requests", "errors", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms",
                            "batch tok/s"], *rows])
     ratios = "\n".join(f"  {key}: {value:.2f}x" for key, value in report["ratios_to_alone"].items() if value)
+    if report.get("batch_vs_peer") is not None:
+        ratios += (f"\n  flood batch tok/s against the peer's ({report['peer_batch_tokens_per_s']:.1f}): "
+                   f"{report['batch_vs_peer']:.2f}x")
     verdict = "passed" if report["passed"] else f"missed: {'; '.join(report['missed']) or 'errors'}"
     return f"{table}\nagainst alone:\n{ratios}\n{verdict}\n"
 

@@ -53,6 +53,38 @@ def test_the_command_writes_its_report(tmp_path: Path) -> None:
     assert report["phases"]["alone"]["interactive_requests"] > 0 and report["passed"]
 
 
+def test_phases_run_on_fresh_servers_join_one_report_with_their_ratios_and_the_peers_batch(tmp_path: Path) -> None:
+    """Each phase on its own server: the last run's report takes the earlier reports' phases (`--with`) and
+    compares them with the alone phase; a peer's report (`--peer`) gives the flood's batch against its own,
+    and a batch below half the peer's is a miss."""
+    server = ServerThread(instant_context()).start()
+    common = ["--url", server.base_url, "--phase-seconds", "1", "--prompt-words", "8", "--max-tokens", "4",
+              "--warmup", "0.2", "--interactive-streams", "2", "--batch-streams", "2"]
+    try:
+        assert main(["latency", *common, "--phases", "alone", "--out", str(tmp_path / "alone")]) == 0
+        code = main(["latency", *common, "--phases", "flood", "--out", str(tmp_path / "flood"),
+                     "--with", str(tmp_path / "alone" / "report.json")])
+        assert code in (0, 1)  # 1: a ratio past its target, which the instant executor's timings may be
+    finally:
+        server.stop()
+    report = json.loads((tmp_path / "flood" / "report.json").read_text())
+    assert list(report["phases"]) == ["alone", "flood"]
+    alone, flood = report["phases"]["alone"], report["phases"]["flood"]
+    assert report["ratios_to_alone"]["flood.ttft_p50"] == flood["ttft_p50_s"] / alone["ttft_p50_s"]
+    assert report["batch_vs_peer"] is None
+
+    config = LatencyConfig("http://127.0.0.1:9", ANONYMOUS, phases=("flood",))
+    peer = json.loads(json.dumps(report))
+    ours = report["phases"]["flood"]["batch_tokens_per_s"]
+    peer["phases"]["flood"]["batch_tokens_per_s"] = 4 * ours
+    combined = build_latency_report(config, [], (0.0, 0.0), [report], peer)
+    assert combined["batch_vs_peer"] == 0.25 and not combined["passed"]
+    assert any(m.startswith("flood.batch_vs_peer") for m in combined["missed"])
+    assert "against the peer's" in latency_table(combined)
+    peer["phases"]["flood"]["batch_tokens_per_s"] = 1.5 * ours
+    assert build_latency_report(config, [], (0.0, 0.0), [report], peer)["batch_vs_peer"] > 0.5
+
+
 def test_a_streams_tokens_are_counted_where_they_were_made_even_when_chunks_carry_several() -> None:
     """Ten tokens in four chunks (the server coalesced a stream that fell behind): all ten are counted, those
     of the part of the stream within the window only."""

@@ -119,6 +119,9 @@ class Settings(BaseModel):
     # Scheduling.
     max_num_seqs: int = Field(default=64, ge=1)
     max_num_batched_tokens: int = Field(default=512, ge=1)
+    # A running prompt's chunk while other prompts of its class wait, as vLLM's flag: the rest of the step
+    # starts them beside it (None: a quarter of max_num_batched_tokens; max_num_batched_tokens: none are).
+    long_prefill_token_threshold: int | None = Field(default=None, ge=1)
     max_queued_requests: int = Field(default=1024, ge=1)  # requests in the engine, running or waiting
     # Batch-class work is shed first: once the queue holds this share of max_queued_requests (at least one
     # place), a batch request gets in only under its tenant's weighted share of that part; the rest of the

@@ -84,6 +84,7 @@ def scheduler_config_of(settings: Settings) -> SchedulerConfig:
                              settings.cache_write_weight)
     return SchedulerConfig(max_num_seqs=settings.max_num_seqs,
                            max_num_batched_tokens=settings.max_num_batched_tokens,
+                           long_prefill_token_threshold=settings.long_prefill_token_threshold,
                            queue_policy=settings.queue_policy, queue_order=settings.queue_order,
                            queue_aging_s=settings.queue_aging_s, queue_fcfs_stretch=settings.queue_fcfs_stretch,
                            preemption_mode=settings.preemption_mode,

@@ -49,6 +49,9 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-lora-rank", type=int, help="the largest adapter rank served (default 16)")
     parser.add_argument("--queue-order", dest="queue_order", choices=["fcfs", "hrrn", "srpt", "lpm"],
                         help="the order inside each tenant's line (default srpt; docs/preemption.md)")
+    parser.add_argument("--long-prefill-token-threshold", dest="long_prefill_token_threshold", type=int,
+                        help="a running prompt's chunk while other prompts of its class wait (default: a quarter "
+                             "of the step's tokens; the step's tokens: first come, first computed)")
     parser.add_argument("--speculative-config", dest="speculative_config", metavar="JSON",
                         help='speculative decoding as vLLM takes it, e.g. \'{"method": "suffix", '
                              '"num_speculative_tokens": 4}\' (methods: ngram, suffix, draft_model with "model"); '
@@ -62,7 +65,7 @@ MODEL_FLAG_KEYS = ("model", "device", "dtype", "quantization", "linear_kernels",
                    "kv_cache_dtype",
                    "compile_mode", "compile_scope", "compile_wait", "kv_host_cache_bytes", "kv_disk_cache_path",
                    "kv_disk_cache_bytes", "enable_lora", "max_loras", "max_cpu_loras", "max_lora_rank", "lora_modules",
-                   "speculative_config", "queue_order")
+                   "speculative_config", "queue_order", "long_prefill_token_threshold")
 
 
 def settings_from_args(args: argparse.Namespace, extra_keys: Sequence[str] = ()) -> Settings:

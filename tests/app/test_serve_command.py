@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from app.process.cli import build_parser, main
+from app.process.engine_factory import scheduler_config_of
 
 
 def test_an_unknown_config_key_is_named_at_start_up(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -25,7 +26,7 @@ def test_serve_flags_reach_the_settings() -> None:
                                       "--shutdown-grace-s", "1.5", "--default-max-tokens", "32",
                                       "--metrics-names", "vllm", "--otlp-traces-endpoint", "http://127.0.0.1:4318/v1/traces",
                                       "--max-queued-requests", "32", "--batch-queue-fraction", "0.5",
-                                      "--queue-order", "hrrn"])
+                                      "--queue-order", "hrrn", "--long-prefill-token-threshold", "512"])
     settings = settings_from_args(args, SERVE_FLAG_KEYS)
 
     assert (settings.model, settings.port, settings.max_num_seqs) == ("builtin:tiny", 0, 8)
@@ -33,6 +34,8 @@ def test_serve_flags_reach_the_settings() -> None:
     assert (settings.metrics_names, settings.otlp_traces_endpoint) == ("vllm", "http://127.0.0.1:4318/v1/traces")
     assert (settings.max_queued_requests, settings.batch_queue_fraction) == (32, 0.5)
     assert settings.queue_order == "hrrn"
+    assert settings.long_prefill_token_threshold == 512
+    assert scheduler_config_of(settings).long_prefill_token_threshold == 512
 
 
 def test_a_malformed_tenants_file_is_named_at_start_up(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -24,10 +24,12 @@ COST = LinearStepCost(overhead_s=0.005, per_token_s=0.001)
 class Line:
     """A scheduler that runs one sequence at a time, so the order it starts requests in is the line's."""
 
-    def __init__(self, order: str, max_num_seqs: int = 1, aging_s: float = 30.0, fcfs_stretch: float = 1.3) -> None:
+    def __init__(self, order: str, max_num_seqs: int = 1, aging_s: float = 30.0, fcfs_stretch: float = 1.3,
+                 long_prefill_token_threshold: int | None = None) -> None:
         self.clock = VirtualClock()
         config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=256, queue_order=order,  # type: ignore[arg-type]
                                  queue_aging_s=aging_s, queue_fcfs_stretch=fcfs_stretch,
+                                 long_prefill_token_threshold=long_prefill_token_threshold,
                                  shaping=ShapingConfig(enabled=False))
         self.scheduler = Scheduler(config, make_geometry(num_device_blocks=1024), clock=self.clock)
         self.executor = FakeExecutor(self.scheduler.geometry, COST)
@@ -255,6 +257,17 @@ def test_a_running_document_leaves_most_of_each_step_to_the_prompts_behind_it() 
     short = [line.add(40, 4) for _ in range(3)]
     times = first_token_times(line, [document, *short])
     assert max(times[1:]) < times[0]
+
+
+def test_a_threshold_of_the_whole_step_computes_prompts_strictly_in_turn() -> None:
+    """`long_prefill_token_threshold` at the step's budget: the running document takes every step, and the
+    prompts that arrived behind it get their first tokens after its (first come, first computed)."""
+    line = Line("fcfs", max_num_seqs=16, long_prefill_token_threshold=256)
+    document = line.add(1000, 4)
+    line.step()
+    short = [line.add(40, 4) for _ in range(3)]
+    times = first_token_times(line, [document, *short])
+    assert min(times[1:]) > times[0]
 
 
 def running_prompts(order: str) -> tuple[float, float]:

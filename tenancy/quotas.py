@@ -19,13 +19,17 @@ from tenancy.tenants import Tenant, TenantRegistry
 
 @dataclass(slots=True)
 class TokenBucket:
+    """`capacity` units refilled over `window_s` (a minute for the tenants' per-minute limits, a second for
+    the rates that shape traffic); `level` may go below zero, a debt the refill pays first."""
+
     capacity: float
     level: float
     updated: float
+    window_s: float = 60.0
 
     @property
     def refill_per_second(self) -> float:
-        return self.capacity / 60.0
+        return self.capacity / self.window_s
 
     def refill(self, now: float) -> None:
         self.level = min(self.capacity, self.level + (now - self.updated) * self.refill_per_second)

@@ -13,21 +13,26 @@ import asyncio
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 
+from tenancy.quotas import TokenBucket
+
 
 class ByteRate:
     def __init__(self, bytes_per_s: int, clock: Callable[[], float] = time.monotonic) -> None:
         self.bytes_per_s = bytes_per_s
         self._clock = clock
-        self._buckets: dict[str, tuple[float, float]] = {}  # tenant -> (bytes available, as of when)
+        self._buckets: dict[str, TokenBucket] = {}  # each tenant's bytes available, a second deep
 
     def delay_for(self, tenant_id: str, num_bytes: int) -> float:
         """Take num_bytes from the tenant's bucket; the seconds to wait before moving them (the bucket
         may go below zero: a chunk larger than a second's worth waits for its whole cost)."""
         now = self._clock()
-        available, since = self._buckets.get(tenant_id, (float(self.bytes_per_s), now))
-        available = min(float(self.bytes_per_s), available + (now - since) * self.bytes_per_s) - num_bytes
-        self._buckets[tenant_id] = (available, now)
-        return 0.0 if available >= 0 else -available / self.bytes_per_s
+        bucket = self._buckets.get(tenant_id)
+        if bucket is None:
+            rate = float(self.bytes_per_s)
+            bucket = self._buckets[tenant_id] = TokenBucket(rate, rate, now, window_s=1.0)
+        bucket.refill(now)
+        bucket.level -= num_bytes
+        return bucket.seconds_until(0.0)
 
     async def shaped(self, tenant_id: str, chunks: AsyncIterator[bytes]) -> AsyncGenerator[bytes, None]:
         """The chunks, each after the wait its bytes cost the tenant."""

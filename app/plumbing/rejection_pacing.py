@@ -24,6 +24,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from app.plumbing.errors import APIError
+from tenancy.quotas import TokenBucket
 
 ErrorHandler = Callable[[Request, Exception], Awaitable[Response]]
 TOO_MANY_REQUESTS = 429
@@ -36,18 +37,19 @@ class RejectionPacing:
         self.pause_s = pause_s
         self.max_paused = max_paused
         self._clock = clock
-        self._buckets: dict[str, tuple[float, float]] = {}  # tenant -> (instant refusals left, as of when)
+        self._buckets: dict[str, TokenBucket] = {}  # each tenant's instant refusals left, a second deep
         self.paused: Counter[str] = Counter()  # refusals of each tenant waiting out their pause now
 
     def pause_for(self, tenant_id: str) -> float:
         """Take one refusal from the tenant's bucket (a second deep); the seconds to wait before answering."""
         now = self._clock()
-        left, since = self._buckets.get(tenant_id, (self.free_per_s, now))
-        left = min(self.free_per_s, left + (now - since) * self.free_per_s)
-        if left >= 1.0:
-            self._buckets[tenant_id] = (left - 1.0, now)
+        bucket = self._buckets.get(tenant_id)
+        if bucket is None:
+            bucket = self._buckets[tenant_id] = TokenBucket(self.free_per_s, self.free_per_s, now, window_s=1.0)
+        bucket.refill(now)
+        if bucket.level >= 1.0:
+            bucket.level -= 1.0
             return 0.0
-        self._buckets[tenant_id] = (left, now)
         return 0.0 if self.paused[tenant_id] >= self.max_paused else self.pause_s
 
     async def pace(self, tenant_id: str) -> None:

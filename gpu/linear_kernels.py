@@ -11,7 +11,8 @@ margin a step on it must make up for running eagerly (`DENSE_MARGIN`). Each laye
 of itself that outgrow the cache, as a step reads its weights from memory. The copy costs its dtype's
 bytes per weight beside the packed ones (float32: 4, bfloat16: 2, against int4's half byte) and is
 logged. The measurement takes seconds and is kept on disk, keyed by the machine, the thread count, the
-torch version and the layer shapes.
+torch version and the layer shapes; a measurement whose timings fall as rows grow was taken beside other
+work, and is taken again, and kept only once consistent.
 
 The dense dtypes tried: the model's own; bfloat16 where the hardware multiplies it natively
 (AVX512-BF16 or AMX, or a GPU; AVX2 emulates it at 7x float32's time); and on a CPU, int8 copies
@@ -62,6 +63,11 @@ DENSE_MARGIN = 0.9
 MIN_SECONDS = 0.02  # each layout timed at least this long per kernel and bucket
 COLD_BYTES = 256 * 2**20  # the weights a layout's timing cycles through: more than a CPU's last-level cache
 HEAD_COPIES = 64  # at most: the head's timing cycles through COLD_BYTES of copies, as a step's layers would
+# A measurement whose timings fall as rows grow (`falling_timings`) is taken again, up to this many times,
+# and kept on disk only once consistent: a plan measured beside other work would be kept for every start.
+MEASURING_ATTEMPTS = 3
+RISE_SLACK = 0.75  # a kernel's time at more rows may read this fraction of its time at fewer, no less
+NOISE_FLOOR_MS = 1.0  # falls smaller than this are a small model's timing noise, not a busy machine
 Layout = tuple[int, int, Quantization]  # (in_features, out_features, the packed kernel)
 Multiply = Callable[[torch.Tensor], torch.Tensor]
 
@@ -302,22 +308,60 @@ def plan_linear_kernels(model: nn.Module, mode: Quantization, model_dtype: torch
         plan = plan_from_json(json.loads(cached.read_text()))
         logger.info("linear kernels (measured on this machine before, %s): %s", cached, plan.describe())
         return plan
-    started = time.perf_counter()
-    layers = sample_layers(layouts, device, model_dtype)
-    plan = KernelPlan()
-    if layouts:
-        plan = measure_plan(lambda rows, kernel: time_layouts(layers, layouts, rows, kernel, MIN_SECONDS), candidates)
-    if head is not None:
-        head_plan = measure_head(head, device, model_dtype, candidates)
-        plan = dataclasses.replace(plan, head=head_plan.dense, head_ms=head_plan.step_linears_ms)
-    logger.info("linear kernels measured in %.1f s: %s (%s; the LM head: %s)", time.perf_counter() - started,
-                plan.describe(), timings_text(plan.step_linears_ms), timings_text(plan.head_ms))
-    if cached is not None:
+    plan, consistent = measure_until_consistent(layouts, head, device, model_dtype, candidates)
+    if cached is not None and consistent:
         cached.parent.mkdir(parents=True, exist_ok=True)
         staging = cached.with_suffix(f".{time.monotonic_ns()}.tmp")
         staging.write_text(json.dumps(plan_as_json(plan), indent=1))
         staging.replace(cached)
     return plan
+
+
+def measure_until_consistent(layouts: Counter[Layout], head: Layout | None, device: torch.device,
+                             dtype: torch.dtype, candidates: list[torch.dtype]) -> tuple[KernelPlan, bool]:
+    """The plan, measured again while its timings fall as rows grow (up to MEASURING_ATTEMPTS times), and
+    whether it ended consistent: only then is it worth keeping for later starts."""
+    layers = sample_layers(layouts, device, dtype)
+    for attempt in range(1, MEASURING_ATTEMPTS + 1):
+        started = time.perf_counter()
+        plan = measure_layers_and_head(layers, layouts, head, device, dtype, candidates)
+        logger.info("linear kernels measured in %.1f s: %s (%s; the LM head: %s)", time.perf_counter() - started,
+                    plan.describe(), timings_text(plan.step_linears_ms), timings_text(plan.head_ms))
+        falls = falling_timings(plan)
+        if not falls:
+            return plan, True
+        logger.warning("linear kernels: timings fell as rows grew (%s), as on a machine busy with other work; %s",
+                       "; ".join(falls), "measuring again" if attempt < MEASURING_ATTEMPTS else
+                       "this plan serves this start only and is measured again at the next")
+    return plan, False
+
+
+def measure_layers_and_head(layers: dict[Layout, nn.Linear], layouts: Counter[Layout], head: Layout | None,
+                            device: torch.device, dtype: torch.dtype, candidates: list[torch.dtype]) -> KernelPlan:
+    plan = KernelPlan()
+    if layouts:
+        plan = measure_plan(lambda rows, kernel: time_layouts(layers, layouts, rows, kernel, MIN_SECONDS), candidates)
+    if head is not None:
+        head_plan = measure_head(head, device, dtype, candidates)
+        plan = dataclasses.replace(plan, head=head_plan.dense, head_ms=head_plan.step_linears_ms)
+    return plan
+
+
+def falling_timings(plan: KernelPlan) -> list[str]:
+    """Where a kernel's time fell as the rows grew, past the timings' noise: more rows never cost less, so
+    such a plan was measured beside other work. A first start that measured while a compiler built beside
+    it read the packed kernels at 8 rows 1,028 ms and at 12 rows 616 ms (28 and 100 ms measured quietly),
+    and kept float32 copies from 128 rows, where the quiet measurement takes them from 24."""
+    falls = []
+    for name, timings in (("layers", plan.step_linears_ms), ("LM head", plan.head_ms)):
+        buckets = sorted(timings or {})
+        for fewer, more in itertools.pairwise(buckets):
+            assert timings is not None
+            for kernel, before_ms in timings[fewer].items():
+                after_ms = timings[more].get(kernel, before_ms)
+                if after_ms < RISE_SLACK * before_ms and before_ms - after_ms > NOISE_FLOOR_MS:
+                    falls.append(f"{name}, {kernel}: {fewer} rows {before_ms:.1f} ms, {more} rows {after_ms:.1f} ms")
+    return falls
 
 
 def measure_head(head: Layout, device: torch.device, dtype: torch.dtype, candidates: list[torch.dtype]) -> KernelPlan:

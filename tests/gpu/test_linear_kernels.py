@@ -123,6 +123,33 @@ def test_the_plan_is_measured_once_per_machine(tmp_path: Path, monkeypatch: pyte
     assert packed == unquantized == KernelPlan() and calls == [1, 1] and packed.graph_variant() == ""
 
 
+def test_a_measurement_whose_timings_fall_as_rows_grow_is_taken_again_and_kept_only_once_consistent(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """As measured beside a compiler's build: the packed kernels read 1,028 ms at 8 rows and 616 ms at 12."""
+    busy = {8: {"packed": 1027.5, "float32": 188.5}, 12: {"packed": 615.6, "float32": 2445.6}}
+    quiet = {8: {"packed": 72.6, "float32": 96.5}, 12: {"packed": 100.1, "float32": 112.3}}
+    measurements = iter([busy, busy, quiet, quiet])  # each attempt: the layers, then the LM head
+
+    def measure(time_step: linear_kernels.StepTimer, candidates: list[torch.dtype]) -> KernelPlan:
+        return KernelPlan(None, next(measurements))
+
+    def plan(cache_dir: Path) -> KernelPlan:
+        return plan_linear_kernels(build_builtin("tiny", seed=0), "int8", torch.float32, torch.device("cpu"),
+                                   native_bfloat16=False, cache_dir=cache_dir)
+
+    monkeypatch.setattr(linear_kernels, "measure_plan", measure)
+    assert linear_kernels.falling_timings(KernelPlan(None, busy)) == [
+        "layers, packed: 8 rows 1027.5 ms, 12 rows 615.6 ms"]
+    assert plan(tmp_path).step_linears_ms == quiet  # measured again, and kept
+    assert len(list(tmp_path.glob("linear-kernels-*.json"))) == 1
+    # Busy at every attempt: the plan serves this start, and nothing is kept for the next.
+    measurements = iter([busy, quiet] * linear_kernels.MEASURING_ATTEMPTS)
+    assert plan(tmp_path / "busy").step_linears_ms == busy and not (tmp_path / "busy").exists()
+    assert next(measurements, None) is None  # every attempt measured
+    # A small model's timings wobble by microseconds: no fall.
+    assert linear_kernels.falling_timings(KernelPlan(None, {1: {"packed": 0.3}, 4: {"packed": 0.1}})) == []
+
+
 def test_a_timing_cycles_through_copies_of_the_layer_past_the_cache_as_a_step_reads_its_weights() -> None:
     layer = linear_kernels.DenseMultiply(nn.Linear(1024, 1024, bias=False), torch.float32)  # 4 MiB
     assert linear_kernels.num_copies(layer, count=1000) == linear_kernels.COLD_BYTES // (4 * 2**20)

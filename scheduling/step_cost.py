@@ -104,7 +104,10 @@ class StepCostModel:
         # current line misses them by (a median: a garbage collection's pause moves it not at all). A CPU's
         # kernels change with the row count (packed below some rows, dense above), so a step's time is not
         # one line; the line plus its bucket's residual follows it. A bucket never seen takes its neighbours'.
-        self._kept: dict[int, deque[tuple[tuple[float, ...], float]]] = {}  # (terms, measured) per bucket
+        # (terms, measured, when: the count of steps observed then) per bucket. A bucket not seen lately and
+        # dearer than its neighbours is dropped at a refit (see _drop_stale_dear_buckets).
+        self._kept: dict[int, deque[tuple[tuple[float, ...], float, int]]] = {}
+        self._observed = 0  # steps observed so far
         self._residuals: dict[int, tuple[float, float]] = {}  # per bucket: (its steps' mean tokens, median missed)
         # Their values sorted by token count, kept with them: a step asks for residuals once per decode and
         # proposal count when it weighs speculation (scheduling/speculation.py).
@@ -160,6 +163,7 @@ class StepCostModel:
         if predicted is not None and measured_s > 0:
             self._errors.append(abs(predicted - measured_s) / measured_s)
         self.last_predicted_s, self.last_measured_s = predicted, measured_s
+        self._observed += 1
         self._note_lone_decode(work, measured_s)
         terms = work.terms()
         bucket = self._keep(terms, measured_s)
@@ -180,20 +184,38 @@ class StepCostModel:
         self.coefficients = fit([*self._anchors, *self._samples])
         self._since_fit = 0
         self._residuals = {bucket: self._residual_of(kept) for bucket, kept in self._kept.items()}
+        self._drop_stale_dear_buckets()
         self._residual_points = sorted(self._residuals.values())
 
     def _keep(self, terms: tuple[float, ...], measured_s: float) -> int:
         """Keep a step in its bucket; the bucket."""
         bucket = _bucket(int(terms[1]))
-        self._kept.setdefault(bucket, deque(maxlen=RESIDUALS_KEPT)).append((terms, measured_s))
+        self._kept.setdefault(bucket, deque(maxlen=RESIDUALS_KEPT)).append((terms, measured_s, self._observed))
         return bucket
 
-    def _residual_of(self, kept: deque[tuple[tuple[float, ...], float]]) -> tuple[float, float]:
+    def _drop_stale_dear_buckets(self) -> None:
+        """Forget the buckets not seen within the window (the fit's) whose residual is above what their
+        neighbours' would give them: a step size priced out of every step is never served again, so its
+        residual is never corrected. On an AVX2 EPYC, steps of 5 tokens seen only before a batch flood priced
+        one batch token beside four decoding streams at 153 ms (their step took 54 ms; with two more rows,
+        about 100) through the whole 40 s flood, and batch work made 0 tokens/s. Dropped, the bucket takes
+        its neighbours' residuals until a step of that size is measured again. A stale bucket cheaper than
+        its neighbours keeps nothing out (steps of its size are served when wanted, and measured), so it
+        stays: a lone decode between many-row steps."""
+        oldest = self._observed - self.window
+        stale = [bucket for bucket, kept in self._kept.items() if kept[-1][2] < oldest]
+        fresh = sorted(point for bucket, point in self._residuals.items() if bucket not in stale)
+        for bucket in stale:
+            mean_tokens, residual = self._residuals[bucket]
+            if residual > _interpolated(fresh, round(mean_tokens)):
+                del self._kept[bucket], self._residuals[bucket]
+
+    def _residual_of(self, kept: deque[tuple[tuple[float, ...], float, int]]) -> tuple[float, float]:
         """A bucket's steps' mean token count, and the median of what the current line misses them by."""
         line = self.coefficients
         assert line is not None
-        return (sum(terms[1] for terms, _ in kept) / len(kept),
-                median(seconds - line.predict_terms(terms) for terms, seconds in kept))
+        return (sum(terms[1] for terms, _, _ in kept) / len(kept),
+                median(seconds - line.predict_terms(terms) for terms, seconds, _ in kept))
 
     def _note_lone_decode(self, work: StepWork, measured_s: float) -> None:
         """A lone decode's time is measured, not predicted: steps are not linear in their tokens on every

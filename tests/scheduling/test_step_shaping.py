@@ -88,6 +88,32 @@ def test_a_rare_step_kind_is_predicted_at_its_time_after_refits_move_the_line() 
         assert predicted is not None and abs(predicted - seconds) <= 0.01 * seconds
 
 
+def test_a_step_size_priced_out_by_one_slow_step_is_priced_again_once_that_step_is_stale() -> None:
+    """One slow step of 5 tokens (a calibration step on a busy machine) would price every step of 5 out, so
+    none would be served to correct it. Once it is older than the window and dearer than its neighbours,
+    its bucket is dropped: 5 tokens are priced between 4 and 6 again."""
+    seconds_of = {4: 0.054, 5: 0.080, 6: 0.100}  # rows: seconds, as measured beside four streams on a CPU
+    model = StepCostModel(window=64, refit_every=8)
+
+    def decodes(rows: int) -> StepWork:
+        work = StepWork()
+        for _ in range(rows):
+            work.add_sequence(1, 100)
+        return work
+
+    model.observe(decodes(5), 0.400)  # once, slow
+    for step in range(40):
+        rows = 6 if step % 4 == 0 else 4
+        model.observe(decodes(rows), seconds_of[rows])
+    priced_out = model.predict(decodes(5))
+    assert priced_out is not None and priced_out > 0.3  # within the window it stands, as measured
+    for step in range(64):
+        rows = 6 if step % 4 == 0 else 4
+        model.observe(decodes(rows), seconds_of[rows])
+    predicted = model.predict(decodes(5))
+    assert predicted is not None and seconds_of[4] < predicted < seconds_of[6]
+
+
 def test_a_changed_forward_makes_the_model_forget_the_old_step_times() -> None:
     """The runner reports the first step of its compiled forward (a background compilation ended): the
     eager steps before it would make every prediction several times too long, so they are dropped, and

@@ -66,18 +66,20 @@ def test_cost_model_predicts_nothing_before_it_has_seen_enough_steps() -> None:
     assert model.predict(StepWork(tokens=4, sequences=4)) is None
 
 
+def decodes(rows: int) -> StepWork:
+    """A step of `rows` decodes at position 100."""
+    work = StepWork()
+    for _ in range(rows):
+        work.add_sequence(1, 100)
+    return work
+
+
 def test_a_rare_step_kind_is_predicted_at_its_time_after_refits_move_the_line() -> None:
     """Steps whose time is not one line (a CPU's kernels by row count), in a window whose kind changes: the
     line moves at every refit, and a step kind seen once in ten is still predicted at its measured time,
     its residual taken against the line of the day, not the one it was first missed by."""
     seconds_of = {1: 0.010, 4: 0.030, 8: 0.032}  # rows: seconds, no line through them
     model = StepCostModel(window=64, refit_every=8)
-
-    def decodes(rows: int) -> StepWork:
-        work = StepWork()
-        for _ in range(rows):
-            work.add_sequence(1, 100)
-        return work
 
     for phase_rows in (1, 4):  # the window holds lone decodes, then four-row steps
         for step in range(200):
@@ -89,27 +91,22 @@ def test_a_rare_step_kind_is_predicted_at_its_time_after_refits_move_the_line() 
 
 
 def test_a_step_size_priced_out_by_one_slow_step_is_priced_again_once_that_step_is_stale() -> None:
-    """One slow step of 5 tokens (a calibration step on a busy machine) would price every step of 5 out, so
-    none would be served to correct it. Once it is older than the window and dearer than its neighbours,
+    """One slow step of 5 tokens (seen before a batch flood) would price every step of 5 out, so none would
+    be served to correct it. Once it is older than the window and dearer than its neighbours,
     its bucket is dropped: 5 tokens are priced between 4 and 6 again."""
     seconds_of = {4: 0.054, 5: 0.080, 6: 0.100}  # rows: seconds, as measured beside four streams on a CPU
     model = StepCostModel(window=64, refit_every=8)
 
-    def decodes(rows: int) -> StepWork:
-        work = StepWork()
-        for _ in range(rows):
-            work.add_sequence(1, 100)
-        return work
+    def observe_steps_of_4_and_6(count: int) -> None:
+        for step in range(count):
+            rows = 6 if step % 4 == 0 else 4
+            model.observe(decodes(rows), seconds_of[rows])
 
     model.observe(decodes(5), 0.400)  # once, slow
-    for step in range(40):
-        rows = 6 if step % 4 == 0 else 4
-        model.observe(decodes(rows), seconds_of[rows])
+    observe_steps_of_4_and_6(40)
     priced_out = model.predict(decodes(5))
     assert priced_out is not None and priced_out > 0.3  # within the window it stands, as measured
-    for step in range(64):
-        rows = 6 if step % 4 == 0 else 4
-        model.observe(decodes(rows), seconds_of[rows])
+    observe_steps_of_4_and_6(64)
     predicted = model.predict(decodes(5))
     assert predicted is not None and seconds_of[4] < predicted < seconds_of[6]
 

@@ -350,7 +350,7 @@ def measure_layers_and_head(layers: dict[Layout, nn.Linear], layouts: Counter[La
 def falling_timings(plan: KernelPlan) -> list[str]:
     """Where a kernel's time fell as the rows grew, past the timings' noise: more rows never cost less, so
     such a plan was measured beside other work. A first start that measured while a compiler built beside
-    it read the packed kernels at 8 rows 1,028 ms and at 12 rows 616 ms (28 and 100 ms measured quietly),
+    it read the packed kernels at 8 rows 1,028 ms and at 12 rows 616 ms (73 and 100 ms measured quietly),
     and kept float32 copies from 128 rows, where the quiet measurement takes them from 24."""
     falls = []
     for name, timings in (("layers", plan.step_linears_ms), ("LM head", plan.head_ms)):

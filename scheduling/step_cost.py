@@ -196,12 +196,12 @@ class StepCostModel:
     def _drop_stale_dear_buckets(self) -> None:
         """Forget the buckets not seen within the window (the fit's) whose residual is above what their
         neighbours' would give them: a step size priced out of every step is never served again, so its
-        residual is never corrected. On an AVX2 EPYC, steps of 5 tokens seen only before a batch flood priced
-        one batch token beside four decoding streams at 153 ms (their step took 54 ms; with two more rows,
-        about 100) through the whole 40 s flood, and batch work made 0 tokens/s. Dropped, the bucket takes
-        its neighbours' residuals until a step of that size is measured again. A stale bucket cheaper than
-        its neighbours keeps nothing out (steps of its size are served when wanted, and measured), so it
-        stays: a lone decode between many-row steps."""
+        residual is never corrected. On an AVX2 EPYC (batch's share at 0.42), steps of 5 tokens seen only
+        before a flood priced one batch token beside four decoding streams at 153 ms (their step took 54 ms;
+        with two more rows, about 100) through the whole 40 s flood, and batch work made 0 tokens/s. Dropped,
+        the bucket takes its neighbours' residuals until a step of that size is measured again. A stale
+        bucket cheaper than its neighbours keeps nothing out (steps of its size are served when wanted, and
+        measured), so it stays: a lone decode between many-row steps."""
         oldest = self._observed - self.window
         stale = [bucket for bucket, kept in self._kept.items() if kept[-1][2] < oldest]
         fresh = sorted(point for bucket, point in self._residuals.items() if bucket not in stale)

@@ -353,10 +353,8 @@ def falling_timings(plan: KernelPlan) -> list[str]:
     it read the packed kernels at 8 rows 1,028 ms and at 12 rows 616 ms (73 and 100 ms measured quietly),
     and kept float32 copies from 128 rows, where the quiet measurement takes them from 24."""
     falls = []
-    for name, timings in (("layers", plan.step_linears_ms), ("LM head", plan.head_ms)):
-        buckets = sorted(timings or {})
-        for fewer, more in itertools.pairwise(buckets):
-            assert timings is not None
+    for name, timings in (("layers", plan.step_linears_ms or {}), ("LM head", plan.head_ms or {})):
+        for fewer, more in itertools.pairwise(sorted(timings)):
             for kernel, before_ms in timings[fewer].items():
                 after_ms = timings[more].get(kernel, before_ms)
                 if after_ms < RISE_SLACK * before_ms and before_ms - after_ms > NOISE_FLOOR_MS:

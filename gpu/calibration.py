@@ -38,7 +38,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from gpu.quantization import Quantization, head_layer_name, int8_dynamic_linear, int8_per_row, layer_modes
+from gpu.quantization import (
+    INT8_PRECISIONS,
+    Int8Precision,
+    Quantization,
+    head_layer_name,
+    int8_dynamic_linear,
+    int8_per_row,
+    layer_modes,
+)
 from gpu.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -53,29 +61,32 @@ def calibration_text() -> str:
     return "\n\n".join(module.__doc__ or "" for module in (argparse, subprocess, difflib, unittest, json))
 
 
-def smoothing_factors(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """s per input channel (the module's note) from a layer's inputs [rows, in] and weight [out, in]."""
+def smoothing_factors(x: torch.Tensor, weight: torch.Tensor, alpha: float = 0.5) -> torch.Tensor:
+    """s per input channel (the module's note, there with alpha 0.5) from a layer's inputs [rows, in] and
+    weight [out, in]: max|x_j|^alpha / max|W_j|^(1 - alpha)."""
     x_range = x.abs().amax(dim=0).float().clamp(min=1e-5)
     weight_range = weight.abs().amax(dim=0).float().clamp(min=1e-5)
-    return (x_range / weight_range).sqrt().clamp(min=1e-5)
+    return (x_range.pow(alpha) / weight_range.pow(1 - alpha)).clamp(min=1e-5)
 
 
-def int8_error(x: torch.Tensor, weight: torch.Tensor, smoothing: torch.Tensor) -> float:
+def int8_error(x: torch.Tensor, weight: torch.Tensor, smoothing: torch.Tensor,
+               precision: Int8Precision = INT8_PRECISIONS["int_mm"]) -> float:
     """The relative error of the smoothed int8 product against the float one, a token at a time, averaged:
     over all tokens at once, the few tokens with massive activations (a sequence's first) would hide the
     others' errors."""
     exact = x.float() @ weight.float().t()
-    values, scales = int8_per_row(weight.float() * smoothing)
-    approximate = int8_dynamic_linear(x.float() / smoothing, values.t().contiguous(), scales)
+    values, scales = int8_per_row(weight.float() * smoothing, precision.weight_levels)
+    approximate = int8_dynamic_linear(x.float() / smoothing, values.t().contiguous(), scales,
+                                      precision.activation_levels)
     per_token = (approximate - exact).norm(dim=-1) / exact.norm(dim=-1).clamp(min=1e-12)
     return float(per_token.mean())
 
 
 @torch.inference_mode()
-def calibrate_int8_copies(model: Any, mode: Quantization, tokenizer: Tokenizer,
-                          max_tokens: int = CALIBRATION_TOKENS) -> dict[str, torch.Tensor]:
-    """The smoothing of every layer to be packed whose int8 copy keeps within INT8_MAX_ERROR, by module name;
-    the model must still hold its float linear layers."""
+def calibrate_int8_copies(model: Any, mode: Quantization, tokenizer: Tokenizer, max_tokens: int = CALIBRATION_TOKENS,
+                          precision: Int8Precision = INT8_PRECISIONS["int_mm"]) -> dict[str, torch.Tensor]:
+    """The smoothing of every layer to be packed whose int8 copy keeps within INT8_MAX_ERROR at `precision`
+    (`DenseCopy.int8_precision`), by module name; the model must still hold its float linear layers."""
     head = head_layer_name(model)
     names = [name for name in layer_modes(model, mode) if name != head]
     smoothing: dict[str, torch.Tensor] = {}
@@ -83,8 +94,8 @@ def calibrate_int8_copies(model: Any, mode: Quantization, tokenizer: Tokenizer,
 
     def measure(name: str, layer: nn.Linear, x: torch.Tensor) -> None:
         flat = x.reshape(-1, x.shape[-1])
-        factors = smoothing_factors(flat, layer.weight)
-        errors[name] = int8_error(flat[::ERROR_TOKEN_STRIDE], layer.weight, factors)
+        factors = smoothing_factors(flat, layer.weight, precision.smoothing_alpha)
+        errors[name] = int8_error(flat[::ERROR_TOKEN_STRIDE], layer.weight, factors, precision)
         if errors[name] <= INT8_MAX_ERROR:
             smoothing[name] = factors
 

@@ -46,7 +46,18 @@ import torch
 from torch import nn
 
 from gpu.compiled import machine_key
-from gpu.quantization import DenseCopy, PackedLinear, Quantization, head_layer_name, layer_modes, packed_linear
+from gpu.quantization import (
+    INT8_PRECISIONS,
+    DenseCopy,
+    FbgemmWeight,
+    PackedLinear,
+    Quantization,
+    fbgemm_available,
+    head_layer_name,
+    int8_per_row,
+    layer_modes,
+    packed_linear,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +79,7 @@ HEAD_COPIES = 64  # at most: the head's timing cycles through COLD_BYTES of copi
 MEASURING_ATTEMPTS = 3
 RISE_SLACK = 0.75  # a kernel's time at more rows may read this fraction of its time at fewer, no less
 NOISE_FLOOR_MS = 1.0  # falls smaller than this are a small model's timing noise, not a busy machine
+FBGEMM_KERNEL = "int8_fbgemm"  # an int8 copy multiplied on fbgemm's kernels (gpu/quantization.py)
 Layout = tuple[int, int, Quantization]  # (in_features, out_features, the packed kernel)
 Multiply = Callable[[torch.Tensor], torch.Tensor]
 
@@ -96,14 +108,13 @@ class KernelPlan:
         return self.dense_from_rows is not None and rows >= self.dense_from_rows
 
     def graph_variant(self) -> str:
-        """What of the plan a compiled graph depends on: each copy's dtype and the rows it is taken from."""
+        """What of the plan a compiled graph depends on: each copy's kernel and the rows it is taken from."""
         copies = (("dense", self.dense), ("head", self.head))
-        return "".join(f"+{name}-{dtype_name(copy.dtype)}-from{copy.from_rows}"
-                       for name, copy in copies if copy is not None)
+        return "".join(f"+{name}-{kernel_name(copy)}-from{copy.from_rows}" for name, copy in copies if copy is not None)
 
     def describe(self) -> str:
         layers = ("packed kernels at every row count" if self.dense is None else
-                  f"packed kernels below {self.dense.from_rows} rows, {self.dense.dtype} dense copies from there")
+                  f"packed kernels below {self.dense.from_rows} rows, {kernel_name(self.dense)} copies from there")
         if self.head is None:
             return layers
         return f"{layers}; the LM head packed below {self.head.from_rows} kept rows, {self.head.dtype} from there"
@@ -129,14 +140,26 @@ def head_layout(model: nn.Module, mode: Quantization) -> Layout | None:
     return head.in_features, head.out_features, layer_mode
 
 
-def dense_candidates(model_dtype: torch.dtype, native_bfloat16: bool, device: torch.device) -> list[torch.dtype]:
-    """The dense dtypes worth timing: int8 copies on a CPU only (CUDA's `_int_mm` wants more than 16 rows)."""
-    candidates = [model_dtype]
+def dense_candidates(model_dtype: torch.dtype, native_bfloat16: bool, device: torch.device) -> list[str]:
+    """The dense copies' kernels worth timing: int8 copies on a CPU only (CUDA's `_int_mm` wants more than 16
+    rows), on `_int_mm` and, where this torch has it, on fbgemm."""
+    candidates = [dtype_name(model_dtype)]
     if native_bfloat16 and model_dtype != torch.bfloat16:
-        candidates.append(torch.bfloat16)
+        candidates.append("bfloat16")
     if device.type == "cpu":
-        candidates.append(torch.int8)
+        candidates += ["int8", *([FBGEMM_KERNEL] if fbgemm_available() else [])]
     return candidates
+
+
+def dense_copy_of(kernel: str, from_rows: int) -> DenseCopy:
+    """The dense copy a kernel's name stands for (a dtype's name, or FBGEMM_KERNEL)."""
+    if kernel == FBGEMM_KERNEL:
+        return DenseCopy(torch.int8, from_rows, "fbgemm")
+    return DenseCopy(getattr(torch, kernel), from_rows)
+
+
+def kernel_name(copy: DenseCopy) -> str:
+    return FBGEMM_KERNEL if copy.int8_gemm == "fbgemm" else dtype_name(copy.dtype)
 
 
 def median_seconds(multiply: Multiply, x: torch.Tensor, min_seconds: float, min_runs: int = 5) -> float:
@@ -173,6 +196,10 @@ def time_layer(linear: nn.Linear, mode: Quantization, rows: int, kernel: str, co
     shape, device = (rows, linear.in_features), linear.weight.device
     if kernel == "int8":
         made, x = Int8CopyMultiply(linear), torch.randint(-127, 128, shape, dtype=torch.int8, device=device)
+    elif kernel == FBGEMM_KERNEL:
+        made = FbgemmCopyMultiply(linear)
+        levels = INT8_PRECISIONS["fbgemm"].activation_levels
+        x = torch.randint(-levels, levels + 1, shape, device=device).float()
     else:
         made = packed_linear(linear, mode) if kernel == "packed" else DenseMultiply(linear, getattr(torch, kernel))
         x = torch.randn(shape, device=device, dtype=linear.weight.dtype)
@@ -234,18 +261,31 @@ class Int8CopyMultiply(nn.Module):
         return torch._int_mm(x, self.weight).float() * self.scales
 
 
-StepTimer = Callable[[int, str], float]  # (rows, kernel: "packed" or a dense dtype's name) -> seconds
+class FbgemmCopyMultiply(nn.Module):
+    """An int8 copy's multiply on fbgemm as a compiled step runs it: from activations already scaled to int8
+    a row (inductor fuses that with the ops before), the weight's scales applied by fbgemm."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.weight = FbgemmWeight(*int8_per_row(linear.weight.detach(), INT8_PRECISIONS["fbgemm"].weight_levels))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = torch.ops.fairlane.fbgemm_int8_mm(x, self.weight.handle, self.weight.out_features)
+        return out
 
 
-def measure_plan(time_step: StepTimer, candidates: list[torch.dtype]) -> KernelPlan:
-    """Times the packed kernels and each dense dtype up the row buckets, until a dense dtype has won
+StepTimer = Callable[[int, str], float]  # (rows, kernel: "packed" or a dense copy's kernel name) -> seconds
+
+
+def measure_plan(time_step: StepTimer, candidates: list[str]) -> KernelPlan:
+    """Times the packed kernels and each dense copy's kernel up the row buckets, until one has won
     CONFIRMING_BUCKETS buckets in a row: from the first of those on, it wins at larger steps too (the
     dense GEMM's advantage only grows with rows)."""
     timings: dict[int, dict[str, float]] = {}
     streak: list[int] = []
     fastest = "packed"
     for rows in ROW_BUCKETS:
-        measured = {kernel: time_step(rows, kernel) for kernel in ["packed", *map(dtype_name, candidates)]}
+        measured = {kernel: time_step(rows, kernel) for kernel in ["packed", *candidates]}
         timings[rows] = {kernel: round(seconds * 1e3, 3) for kernel, seconds in measured.items()}
         fastest = min(measured, key=lambda kernel: measured[kernel])
         wins = fastest != "packed" and measured[fastest] <= DENSE_MARGIN * measured["packed"]
@@ -254,16 +294,16 @@ def measure_plan(time_step: StepTimer, candidates: list[torch.dtype]) -> KernelP
             break
     if not streak:
         return KernelPlan(step_linears_ms=timings)
-    return KernelPlan(DenseCopy(getattr(torch, fastest), streak[0]), timings)
+    return KernelPlan(dense_copy_of(fastest, streak[0]), timings)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def plan_identity(layouts: Counter[Layout], candidates: list[torch.dtype], device: torch.device,
+def plan_identity(layouts: Counter[Layout], candidates: list[str], device: torch.device,
                   model_dtype: torch.dtype, head: Layout | None = None) -> str:
-    described = json.dumps({"layouts": sorted(map(list, layouts.items())), "candidates": list(map(str, candidates)),
+    described = json.dumps({"layouts": sorted(map(list, layouts.items())), "candidates": candidates,
                             "head": None if head is None else [list(head), "float copies by kept rows"],
                             "dtype": str(model_dtype), "threads": torch.get_num_threads(), "torch": torch.__version__,
                             "buckets": ROW_BUCKETS, "machine": machine_key(device),
@@ -276,6 +316,7 @@ def plan_identity(layouts: Counter[Layout], candidates: list[torch.dtype], devic
 def plan_as_json(plan: KernelPlan) -> dict[str, Any]:
     return {"dense_dtype": None if plan.dense_dtype is None else dtype_name(plan.dense_dtype),
             "dense_from_rows": plan.dense_from_rows,
+            "dense_int8_gemm": None if plan.dense is None else plan.dense.int8_gemm,
             "step_linears_ms": {str(rows): row for rows, row in (plan.step_linears_ms or {}).items()},
             "head_dtype": None if plan.head is None else dtype_name(plan.head.dtype),
             "head_from_rows": None if plan.head is None else plan.head.from_rows,
@@ -289,7 +330,10 @@ def plan_from_json(data: dict[str, Any]) -> KernelPlan:
     def timings(key: str) -> dict[int, dict[str, float]]:
         return {int(rows): row for rows, row in data.get(key, {}).items()}
 
-    return KernelPlan(copy_of(data.get("dense_dtype"), data.get("dense_from_rows")), timings("step_linears_ms"),
+    dense = copy_of(data.get("dense_dtype"), data.get("dense_from_rows"))
+    if dense is not None and data.get("dense_int8_gemm") == "fbgemm":
+        dense = dataclasses.replace(dense, int8_gemm="fbgemm")
+    return KernelPlan(dense, timings("step_linears_ms"),
                       copy_of(data.get("head_dtype"), data.get("head_from_rows")), timings("head_ms"))
 
 
@@ -318,7 +362,7 @@ def plan_linear_kernels(model: nn.Module, mode: Quantization, model_dtype: torch
 
 
 def measure_until_consistent(layouts: Counter[Layout], head: Layout | None, device: torch.device,
-                             dtype: torch.dtype, candidates: list[torch.dtype]) -> tuple[KernelPlan, bool]:
+                             dtype: torch.dtype, candidates: list[str]) -> tuple[KernelPlan, bool]:
     """The plan, measured again while its timings fall as rows grow (up to MEASURING_ATTEMPTS times), and
     whether it ended consistent: only then is it worth keeping for later starts."""
     layers = sample_layers(layouts, device, dtype)
@@ -337,7 +381,7 @@ def measure_until_consistent(layouts: Counter[Layout], head: Layout | None, devi
 
 
 def measure_layers_and_head(layers: dict[Layout, nn.Linear], layouts: Counter[Layout], head: Layout | None,
-                            device: torch.device, dtype: torch.dtype, candidates: list[torch.dtype]) -> KernelPlan:
+                            device: torch.device, dtype: torch.dtype, candidates: list[str]) -> KernelPlan:
     plan = KernelPlan()
     if layouts:
         plan = measure_plan(lambda rows, kernel: time_layouts(layers, layouts, rows, kernel, MIN_SECONDS), candidates)
@@ -362,11 +406,11 @@ def falling_timings(plan: KernelPlan) -> list[str]:
     return falls
 
 
-def measure_head(head: Layout, device: torch.device, dtype: torch.dtype, candidates: list[torch.dtype]) -> KernelPlan:
+def measure_head(head: Layout, device: torch.device, dtype: torch.dtype, candidates: list[str]) -> KernelPlan:
     """The head's plan, on float copies only (an int8 copy's activations would round the logits), timed over
     copies of it that outgrow the cache: a step reads every other layer between two heads."""
     linear = sample_layers(Counter([head]), device, dtype)[head]
-    floats = [candidate for candidate in candidates if candidate.is_floating_point]
+    floats = [kernel for kernel in candidates if dense_copy_of(kernel, 1).dtype.is_floating_point]
     return measure_plan(lambda rows, kernel: time_layer(linear, head[2], rows, kernel, HEAD_COPIES, MIN_SECONDS),
                         floats)
 

@@ -255,7 +255,7 @@ def load_model(spec: str, *, device: str = "auto", dtype: str = "auto", seed: in
                                cache_dir=None if kernel_plan_dir is None else Path(kernel_plan_dir))
     smoothing = None
     if plan.dense is not None and plan.dense.dtype == torch.int8:
-        smoothing = calibrate_int8_copies(model, mode, tokenizer)
+        smoothing = calibrate_int8_copies(model, mode, tokenizer, precision=plan.dense.int8_precision)
         if not smoothing:  # no layer keeps an int8 copy: no large steps' graph to compile for nothing
             plan = dataclasses.replace(plan, dense=None)
     quantize_linears(model, mode, plan.dense, smoothing, plan.head)

@@ -28,12 +28,36 @@ for such steps (gpu/compiled.py). The LM head multiplies only the rows a step ke
 decodes, a prompt chunk's last token), which no graph knows, so it keeps a float copy of its own
 (planned apart) and chooses when the step runs, inside a registered op (`rows_switched_int8`): on
 that EPYC its int8 kernel took 12.6 ms at 16 rows, a third of the step, where a bfloat16 copy took 6.6.
+
+Without VNNI, `aten._int_mm` on the CPU is a plain loop (an AVX2 EPYC: 641 ms for SmolLM2's step linears
+at 8 rows), so an int8 copy may multiply on fbgemm's kernels instead (`DenseCopy.int8_gemm`, chosen by
+the measurement like the rest of the plan): fbgemm packs the copy once and sums pairs of uint8 x int8
+products with AVX2's `vpmaddubsw`. On a Zen 1 EPYC (AVX2, no VNNI) SmolLM2's step linears took 23, 35,
+41 and 67 ms at 1, 4, 8 and 16 rows that way, against 28, 43, 73 and 129 on the packed int4 kernels.
+Those pairs are summed in int16, which saturates past 32,767, so one side keeps 7 bits there: the
+activations, as fbgemm's own `reduce_range` does (127 x 127 x 2 fits), with the smoothing moved further
+into the weights (`Int8Precision`). The calibration measures each layer at the precision its GEMM has;
+SmolLM2 (perplexity over 3,000 tokens of CPython's LICENSE, windows of 512: float32 12.302, int4 on the
+packed kernels 12.313):
+
+| fbgemm copies | SmoothQuant alpha | layers within 2% | perplexity |
+|---|---|---|---|
+| 7-bit weights, 8-bit activations | 0.6 | 130 of 210 | 12.450 |
+| 8-bit weights, 7-bit activations | 0.5 | 53 | 12.300 |
+| 8-bit weights, 7-bit activations | 0.8 | 148 | 12.276 |
+| 8-bit weights, 7-bit activations | 0.9 | 148 | 12.460 |
+
+A weight's rounding errs the same way for every token, an activation's does not: 7-bit weights within the
+same per-token bound cost ten times the perplexity.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
+import warnings
+import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -50,6 +74,23 @@ Quantization = Literal["none", "int8", "int4"]
 QuantizationChoice = Literal["auto", "none", "int8", "int4"]
 INT4_GROUP_SIZE = 32
 INT4_ROW_MULTIPLE = 64  # output rows the packed int4 kernels tile by
+Int8Gemm = Literal["int_mm", "fbgemm"]  # what an int8 copy multiplies with (the module's note)
+INT8_LEVELS = 127  # a symmetric int8 value's largest magnitude
+
+
+@dataclass(frozen=True, slots=True)
+class Int8Precision:
+    """An int8 copy's precision on its GEMM: the largest magnitude of its weights' and its activations'
+    values, and SmoothQuant's alpha (input channel j divided by max|x_j|^alpha / max|W_j|^(1-alpha))."""
+
+    weight_levels: int = INT8_LEVELS
+    activation_levels: int = INT8_LEVELS
+    smoothing_alpha: float = 0.5
+
+
+# fbgemm: 7-bit activations, so a pair of uint8 x int8 products stays within int16 (the module's note)
+INT8_PRECISIONS: dict[Int8Gemm, Int8Precision] = {"int_mm": Int8Precision(),
+                                                   "fbgemm": Int8Precision(activation_levels=63, smoothing_alpha=0.8)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +101,12 @@ class DenseCopy:
 
     dtype: torch.dtype
     from_rows: int
+    int8_gemm: Int8Gemm = "int_mm"
+
+    @property
+    def int8_precision(self) -> Int8Precision:
+        """An int8 copy's precision: what the calibration measures its error at."""
+        return INT8_PRECISIONS[self.int8_gemm]
 
 
 class PackedLinear(nn.Module):
@@ -68,6 +115,7 @@ class PackedLinear(nn.Module):
     dense_weight: torch.Tensor | None  # [out, in] in a float dtype; int8: [in, out], as `_int_mm` takes it
     dense_scales: torch.Tensor | None  # an int8 copy's scale per output row, float32
     dense_input_scales: torch.Tensor | None  # an int8 copy's smoothing: what each input channel is multiplied by
+    fbgemm_weight: FbgemmWeight | None = None  # an int8 copy on fbgemm: its packed values, for dense_forward
     bias: torch.Tensor | None
     # An LM head's rows are the logits a step keeps, which no compiled graph knows against `dense_from_rows`:
     # such a layer chooses between its copy and the packed kernel when the step runs (an int8 head only).
@@ -81,7 +129,9 @@ class PackedLinear(nn.Module):
         row's 8 bits. Without one, the layer keeps no copy."""
         weight = scales = input_scales = None
         if dense is not None and dense.dtype == torch.int8 and smoothing is not None:
-            weight, scales = int8_per_row(values().float() * smoothing.float())
+            weight, scales = int8_per_row(values().float() * smoothing.float(), dense.int8_precision.weight_levels)
+            if dense.int8_gemm == "fbgemm":
+                self.fbgemm_weight = FbgemmWeight(weight, scales)
             weight, input_scales = weight.t().contiguous(), 1.0 / smoothing.float()
         elif dense is not None and dense.dtype != torch.int8:
             weight = values().to(dense.dtype)
@@ -105,7 +155,10 @@ class PackedLinear(nn.Module):
         assert self.dense_weight is not None
         if self.dense_scales is not None and self.dense_input_scales is not None:
             smoothed = x.reshape(-1, x.shape[-1]).float() * self.dense_input_scales
-            out = int8_dynamic_linear(smoothed, self.dense_weight, self.dense_scales)
+            if self.fbgemm_weight is not None:
+                out = fbgemm_dynamic_linear(smoothed, self.fbgemm_weight)
+            else:
+                out = int8_dynamic_linear(smoothed, self.dense_weight, self.dense_scales)
             out = out.view(*x.shape[:-1], self.dense_weight.shape[1])
         else:
             out = float_copy_linear(x, self.dense_weight)
@@ -118,17 +171,71 @@ def float_copy_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return nn.functional.linear(x.to(weight.dtype), weight)
 
 
-def int8_per_row(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric int8 values and a float32 scale per row: weight ~= values * scales[:, None]."""
+def int8_per_row(weight: torch.Tensor, levels: int = INT8_LEVELS) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 values within ±levels and a float32 scale per row: weight ~= values * scales[:, None]."""
     weight = weight.float()
-    scales = weight.abs().amax(dim=1).clamp(min=1e-12) / 127.0
-    return torch.round(weight / scales[:, None]).clamp(-127, 127).to(torch.int8), scales
+    scales = weight.abs().amax(dim=1).clamp(min=1e-12) / levels
+    return torch.round(weight / scales[:, None]).clamp(-levels, levels).to(torch.int8), scales
 
 
-def int8_dynamic_linear(x: torch.Tensor, weight_t: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """x [rows, in] @ (weight_t * scales)^T, x quantized to int8 a row at a time: float32 [rows, out]."""
-    x_values, x_scales = int8_per_row(x)
+def int8_dynamic_linear(x: torch.Tensor, weight_t: torch.Tensor, scales: torch.Tensor,
+                        levels: int = INT8_LEVELS) -> torch.Tensor:
+    """x [rows, in] @ (weight_t * scales)^T, x quantized to ±levels a row at a time: float32 [rows, out].
+    With an fbgemm copy's weights, the same numbers as `fbgemm_dynamic_linear`'s."""
+    x_values, x_scales = int8_per_row(x, levels)
     return torch._int_mm(x_values, weight_t).float() * x_scales[:, None] * scales
+
+
+def fbgemm_available() -> bool:
+    """Whether this torch has fbgemm's int8 linear kernels (x86 builds; the quantized engines may go)."""
+    return ("fbgemm" in torch.backends.quantized.supported_engines
+            and hasattr(torch.ops.quantized, "linear_with_input_q_dq_qweight_dq_output_fp32"))
+
+
+_FBGEMM_WEIGHTS: dict[int, Any] = {}  # handle -> fbgemm's packed weight, while its FbgemmWeight lives
+_fbgemm_handles = itertools.count()
+
+
+class FbgemmWeight:
+    """int8 values [out, in] and a scale per output row, packed once for fbgemm. A compiled graph passes
+    `handle` to `fairlane::fbgemm_int8_mm` (a packed weight is a script object, which no graph takes);
+    the packed weight is dropped with its holder, and a copy of the holder packs its own."""
+
+    def __init__(self, values: torch.Tensor, scales: torch.Tensor) -> None:
+        zero_points = torch.zeros(values.shape[0], dtype=torch.long)
+        with warnings.catch_warnings():  # quantized tensors are deprecated, but fbgemm's packing takes no other
+            warnings.simplefilter("ignore", UserWarning)
+            weight = torch._make_per_channel_quantized_tensor(values.cpu(), scales.double().cpu(), zero_points, 0)
+            packed = torch.ops.quantized.linear_prepack(weight, None)
+        self.out_features = values.shape[0]
+        self.handle = next(_fbgemm_handles)
+        _FBGEMM_WEIGHTS[self.handle] = packed
+        weakref.finalize(self, _FBGEMM_WEIGHTS.pop, self.handle, None)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> FbgemmWeight:
+        weight, _ = torch.ops.quantized.linear_unpack(_FBGEMM_WEIGHTS[self.handle])
+        return FbgemmWeight(weight.int_repr(), weight.q_per_channel_scales().float())
+
+
+def fbgemm_dynamic_linear(x: torch.Tensor, weight: FbgemmWeight) -> torch.Tensor:
+    """x [rows, in] float32 @ the packed weight^T, x quantized to int8 a row at a time: float32 [rows, out].
+    The row scales are taken here, where a compiled step fuses them with the ops before; fbgemm rounds."""
+    levels = INT8_PRECISIONS["fbgemm"].activation_levels
+    x_scales = x.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / levels
+    out: torch.Tensor = torch.ops.fairlane.fbgemm_int8_mm(x / x_scales, weight.handle, weight.out_features)
+    return out * x_scales
+
+
+def fbgemm_int8_mm(x: torch.Tensor, handle: int, out_features: int) -> torch.Tensor:
+    """x: float32 activations already within ±levels, each row in its own scale; the weight's scales applied."""
+    out: torch.Tensor = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(
+        x.contiguous(), 1.0, fbgemm_zero_point(), _FBGEMM_WEIGHTS[handle])
+    return out
+
+
+def fbgemm_zero_point() -> int:
+    """The activations' -levels..levels handed to fbgemm as uint8 1..2 x levels + 1."""
+    return INT8_PRECISIONS["fbgemm"].activation_levels + 1
 
 
 def kernel_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
@@ -176,9 +283,10 @@ def rows_switched_int8(x: torch.Tensor, weight_int8: torch.Tensor, scales: torch
     return out
 
 
-def _define_switched_op() -> Any:
+def _define_ops() -> Any:
     """`fairlane::rows_switched_int8`, opaque to inductor: inside it the row count is a plain int, so the
-    choice is made at run time in both compiled graphs, with no graph per choice."""
+    choice is made at run time in both compiled graphs, with no graph per choice. And
+    `fairlane::fbgemm_int8_mm`, an extern call in a compiled graph (inductor has no lowering of fbgemm's)."""
     library = torch.library.Library("fairlane", "FRAGMENT")  # type: ignore[no-untyped-call]
     library.define("rows_switched_int8(Tensor x, Tensor weight_int8, Tensor scales, Tensor dense_weight, "  # type: ignore[no-untyped-call]
                    "int from_rows) -> Tensor")
@@ -188,10 +296,17 @@ def _define_switched_op() -> Any:
         return x.new_empty((x.shape[0], weight_int8.shape[0]))
 
     torch.library.register_fake("fairlane::rows_switched_int8", shape, lib=library)
+    library.define("fbgemm_int8_mm(Tensor x, int handle, int out_features) -> Tensor")  # type: ignore[no-untyped-call]
+    library.impl("fbgemm_int8_mm", fbgemm_int8_mm, "CompositeExplicitAutograd")  # type: ignore[no-untyped-call]
+
+    def fbgemm_shape(x: torch.Tensor, handle: int, out_features: int) -> torch.Tensor:
+        return x.new_empty((x.shape[0], out_features))
+
+    torch.library.register_fake("fairlane::fbgemm_int8_mm", fbgemm_shape, lib=library)
     return library
 
 
-_LIBRARY = _define_switched_op()  # kept alive: the op lives as long as its library object
+_LIBRARY = _define_ops()  # kept alive: the op lives as long as its library object
 
 
 def int4_groups(weight: torch.Tensor, group_size: int = INT4_GROUP_SIZE

@@ -7,6 +7,8 @@ serves through the engine."""
 from __future__ import annotations
 
 import asyncio
+import copy
+import gc
 import json
 from pathlib import Path
 
@@ -20,17 +22,27 @@ from gpu.compiled import PackedForward, compilations_so_far, use_artifact_folder
 from gpu.linear_kernels import ROW_BUCKETS, KernelPlan, measure_plan, plan_linear_kernels
 from gpu.models import LoadedModel, build_builtin, load_model
 from gpu.quantization import (
+    _FBGEMM_WEIGHTS,
+    INT8_PRECISIONS,
     DenseCopy,
+    FbgemmWeight,
     Int4WeightOnlyLinear,
+    Int8Gemm,
     Int8WeightOnlyLinear,
     PackedLinear,
+    fbgemm_available,
+    fbgemm_dynamic_linear,
     int4_groups,
+    int8_dynamic_linear,
+    int8_per_row,
     layer_modes,
     quantize_linears,
 )
 from gpu.tokenizer import ByteTokenizer
 from tests.factories import assert_kv_all_free, collect, make_engine, make_request, make_runner, running, tokens_of
 from tests.gpu.reference import byte_prompt, hf_logits
+
+needs_fbgemm = pytest.mark.skipif(not fbgemm_available(), reason="this torch has no fbgemm kernels")
 
 
 def packed_pair(kind: type[PackedLinear]) -> tuple[nn.Module, nn.Module]:
@@ -72,22 +84,22 @@ def timer(dense_ms: dict[int, float], packed_ms: float = 10.0) -> linear_kernels
 
 
 def test_the_plan_takes_the_dense_copy_from_the_first_of_the_buckets_it_wins_in_a_row() -> None:
-    plan = measure_plan(timer({64: 7.0, 128: 6.0, 256: 1.0, 512: 1.0}), [torch.float32])
+    plan = measure_plan(timer({64: 7.0, 128: 6.0, 256: 1.0, 512: 1.0}), ["float32"])
     assert (plan.dense_dtype, plan.dense_from_rows) == (torch.float32, 64)
     assert plan.step_linears_ms is not None and max(plan.step_linears_ms) == 128  # it stops once confirmed
     assert plan.takes_dense(64) and plan.takes_dense(500) and not plan.takes_dense(63)
 
 
 def test_one_bucket_won_alone_is_not_taken_and_never_winning_keeps_the_packed_kernels() -> None:
-    noisy = measure_plan(timer({16: 7.0, 256: 7.0, 512: 7.0}), [torch.float32])
+    noisy = measure_plan(timer({16: 7.0, 256: 7.0, 512: 7.0}), ["float32"])
     assert noisy.dense_from_rows == 256
-    never = measure_plan(timer({}), [torch.float32])
+    never = measure_plan(timer({}), ["float32"])
     assert (never.dense_dtype, never.dense_from_rows) == (None, None)
     assert never.step_linears_ms is not None and sorted(never.step_linears_ms) == list(ROW_BUCKETS)
 
 
 def test_a_win_within_the_timings_noise_is_no_win() -> None:
-    slim = measure_plan(timer({32: 9.5, 64: 9.5, 128: 9.0, 256: 9.0}), [torch.float32])
+    slim = measure_plan(timer({32: 9.5, 64: 9.5, 128: 9.0, 256: 9.0}), ["float32"])
     assert slim.dense_from_rows == 128
 
 
@@ -95,7 +107,7 @@ def test_the_fastest_dense_dtype_is_the_one_kept() -> None:
     def time_step(rows: int, kernel: str) -> float:
         return {"packed": 10.0, "float32": 8.0, "bfloat16": 4.0}[kernel] / 1e3
 
-    plan = measure_plan(time_step, [torch.float32, torch.bfloat16])
+    plan = measure_plan(time_step, ["float32", "bfloat16"])
     assert (plan.dense_dtype, plan.dense_from_rows) == (torch.bfloat16, 1)
 
 
@@ -103,7 +115,7 @@ def test_the_plan_is_measured_once_per_machine(tmp_path: Path, monkeypatch: pyte
     model = build_builtin("tiny", seed=0)
     calls: list[int] = []
 
-    def measure(time_step: linear_kernels.StepTimer, candidates: list[torch.dtype]) -> KernelPlan:
+    def measure(time_step: linear_kernels.StepTimer, candidates: list[str]) -> KernelPlan:
         calls.append(1)
         return KernelPlan(DenseCopy(torch.float32, 32), {1: {"packed": 1.0, "float32": 2.0}})
 
@@ -130,7 +142,7 @@ def test_a_measurement_whose_timings_fall_as_rows_grow_is_taken_again_and_kept_o
     quiet = {8: {"packed": 72.6, "float32": 96.5}, 12: {"packed": 100.1, "float32": 112.3}}
     measurements = iter([busy, busy, quiet, quiet])  # each attempt: the layers, then the LM head
 
-    def measure(time_step: linear_kernels.StepTimer, candidates: list[torch.dtype]) -> KernelPlan:
+    def measure(time_step: linear_kernels.StepTimer, candidates: list[str]) -> KernelPlan:
         return KernelPlan(None, next(measurements))
 
     def plan(cache_dir: Path) -> KernelPlan:
@@ -171,7 +183,7 @@ def test_a_real_measurement_times_every_kernel_up_to_its_decision(tmp_path: Path
     plan = plan_linear_kernels(build_builtin("tiny", seed=0), "int8", torch.float32, torch.device("cpu"),
                                native_bfloat16=False, cache_dir=tmp_path)
     assert plan.step_linears_ms is not None
-    kernels = {"packed", "float32", "int8"}  # int8 copies on a CPU
+    kernels = {"packed", "float32", "int8"} | ({linear_kernels.FBGEMM_KERNEL} if fbgemm_available() else set())
     assert all(set(row) == kernels and min(row.values()) > 0 for row in plan.step_linears_ms.values())
     if plan.dense_from_rows is None:  # no dense win: every bucket was timed
         assert plan.dense_dtype is None and sorted(plan.step_linears_ms) == list(ROW_BUCKETS)
@@ -258,22 +270,82 @@ def test_warm_up_runs_a_step_for_each_graph() -> None:
     assert len(warm_up_steps(16, 32)) == len(steps) - 1
 
 
+@pytest.mark.parametrize("gemm", ["int_mm", pytest.param("fbgemm", marks=needs_fbgemm)])
 @pytest.mark.parametrize("kind", [Int4WeightOnlyLinear, Int8WeightOnlyLinear])
-def test_an_int8_copy_multiplies_within_a_few_percent_of_the_packed_kernel(kind: type[PackedLinear]) -> None:
+def test_an_int8_copy_multiplies_within_a_few_percent_of_the_packed_kernel(kind: type[PackedLinear],
+                                                                            gemm: Int8Gemm) -> None:
     torch.manual_seed(2)
     linear = nn.Linear(128, 64, bias=True)
     x = torch.randn(6, 128)
     x[:, 7] *= 40  # one large input channel, as a real layer has: the smoothing keeps it from the others' bits
-    smoothing = calibration.smoothing_factors(x, linear.weight.detach())
+    copy_ = DenseCopy(torch.int8, 4, gemm)
+    smoothing = calibration.smoothing_factors(x, linear.weight.detach(), copy_.int8_precision.smoothing_alpha)
     packed = kind(linear)
-    with_copy = kind(linear, dense=DenseCopy(torch.int8, 4), smoothing=smoothing)
-    unsmoothed = kind(linear, dense=DenseCopy(torch.int8, 4), smoothing=torch.ones(128))
+    with_copy = kind(linear, dense=copy_, smoothing=smoothing)
+    unsmoothed = kind(linear, dense=copy_, smoothing=torch.ones(128))
+    assert (with_copy.fbgemm_weight is not None) == (gemm == "fbgemm")
     assert with_copy.dense_weight is not None and with_copy.dense_weight.dtype == torch.int8
     with torch.inference_mode():
         assert torch.equal(with_copy(x[:3]), packed(x[:3]))  # below the row count: the packed kernel
         error = (with_copy(x) - packed(x)).norm() / packed(x).norm()
         unsmoothed_error = (unsmoothed(x) - packed(x)).norm() / packed(x).norm()
     assert error < 0.03 and error < unsmoothed_error, (float(error), float(unsmoothed_error))
+
+
+@needs_fbgemm
+def test_an_fbgemm_copy_multiplies_as_the_calibration_reckons_it_eagerly_and_compiled() -> None:
+    """fbgemm's product is the one the calibration measured a layer's error on (7-bit activations, the
+    weight's 8 bits): a compiled graph calls it as an extern op by the packed weight's handle, and gives
+    what the eager layer does at every row count, from one graph."""
+    torch.manual_seed(3)
+    linear = nn.Linear(96, 80, bias=False)
+    smoothing = torch.rand(96) + 0.5
+    layer = Int4WeightOnlyLinear(linear, dense=DenseCopy(torch.int8, 1, "fbgemm"), smoothing=smoothing)
+    assert layer.fbgemm_weight is not None and layer.dense_weight is not None and layer.dense_scales is not None
+    precision = INT8_PRECISIONS["fbgemm"]
+    torch._dynamo.reset()
+    before = compilations_so_far()
+    def large_step(x: torch.Tensor) -> torch.Tensor:
+        torch._check(x.shape[0] >= 1)  # type: ignore[no-untyped-call]  # as the runner's large steps' graph does
+        return layer(x)  # type: ignore[no-any-return]
+
+    compiled = torch.compile(large_step, fullgraph=True)
+    for rows in (1, 7, 33):
+        x = torch.randn(rows, 96)
+        torch._dynamo.decorators.mark_unbacked(x, 0)
+        reckoned = int8_dynamic_linear(x * (1 / smoothing), layer.dense_weight, layer.dense_scales,
+                                       precision.activation_levels)
+        with torch.inference_mode():
+            eager, out = layer(x), compiled(x)
+        torch.testing.assert_close(eager, reckoned, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(out, eager, rtol=1e-4, atol=1e-4)
+    assert compilations_so_far() - before == 1
+
+
+@needs_fbgemm
+def test_an_fbgemm_weight_is_packed_once_per_copy_and_dropped_with_it() -> None:
+    values, scales = int8_per_row(torch.randn(16, 32))
+    weight = FbgemmWeight(values, scales)
+    copied = copy.deepcopy(weight)
+    assert copied.handle != weight.handle and set(_FBGEMM_WEIGHTS) >= {weight.handle, copied.handle}
+    x = torch.randn(3, 32)
+    torch.testing.assert_close(fbgemm_dynamic_linear(x, copied), fbgemm_dynamic_linear(x, weight))
+    handle = copied.handle
+    del copied
+    gc.collect()
+    assert handle not in _FBGEMM_WEIGHTS and weight.handle in _FBGEMM_WEIGHTS
+
+
+def test_an_fbgemm_plan_names_its_gemm_on_disk_and_in_its_graphs() -> None:
+    plan = KernelPlan(linear_kernels.dense_copy_of(linear_kernels.FBGEMM_KERNEL, 4))
+    assert plan.dense == DenseCopy(torch.int8, 4, "fbgemm")
+    assert linear_kernels.plan_from_json(linear_kernels.plan_as_json(plan)).dense == plan.dense
+    assert plan.graph_variant() == "+dense-int8_fbgemm-from4"  # not the artifacts of an int8 copy on `_int_mm`
+    assert KernelPlan(DenseCopy(torch.int8, 4)).graph_variant() == "+dense-int8-from4"
+    candidates = linear_kernels.dense_candidates(torch.float32, False, torch.device("cpu"))
+    assert (linear_kernels.FBGEMM_KERNEL in candidates) == fbgemm_available()
+    assert linear_kernels.FBGEMM_KERNEL not in linear_kernels.dense_candidates(torch.float32, True,
+                                                                                torch.device("cuda"))
 
 
 def test_an_int8_copy_is_kept_only_with_its_smoothing() -> None:

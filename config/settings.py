@@ -70,9 +70,10 @@ class Settings(BaseModel):
     quantization: Literal["auto", "none", "int8", "int4"] = "auto"
     # Which kernel the quantized layers multiply with, by a step's row count: auto times the packed
     # kernels against a dense copy of the same values at start (cached per machine) and keeps the copy
-    # where it wins, for prompt chunks and large batches; packed: the packed kernels alone, no copy
-    # (gpu/linear_kernels.py).
-    linear_kernels: Literal["auto", "packed"] = "auto"
+    # where it wins, for prompt chunks and large batches; auto-fbgemm: auto with int8 copies on fbgemm's
+    # kernels among the candidates (not yet a win on the steps served: gpu/linear_kernels.py); packed:
+    # the packed kernels alone, no copy.
+    linear_kernels: Literal["auto", "auto-fbgemm", "packed"] = "auto"
     seed: int = 0
     # The runner's forward: eager, default (inductor), max (inductor with max-autotune and its C++
     # wrapper). Compiled at start-up; the artifacts are kept under compile_cache_dir (gpu/compiled.py).

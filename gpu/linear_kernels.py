@@ -24,6 +24,16 @@ On a Zen 4 EPYC with AVX512-BF16 and VNNI, SmolLM2's step linears took, at 8, 16
 | 8 | 18.6 ms | 17.7 ms | 25.4 ms |
 | 16 | 32.6 ms | 23.4 ms | 31.1 ms |
 | 64 | 120.5 ms | 45.2 ms | 64.3 ms |
+
+Int8 copies on fbgemm's kernels (gpu/quantization.py) are a candidate only under `auto-fbgemm`. On a
+Zen 1 EPYC (AVX2, no VNNI) they multiply SmolLM2's step linears in 26-29 ms at 1 row, 32-36 at 4 and
+46 at 8, against the packed kernels' 28-35, 48-58 and 90, at the perplexity of the packed kernels. But
+the plan takes a copy for every layer, where only the calibrated layers keep an int8 one (148 of 210
+there); the others, the MLPs' larger projections among them, keep the packed kernels at every row
+count, so prompt chunks lose the float32 copies `auto` gives every layer from 24 rows there. Served
+with fbgemm copies from one row, a lone stream's ITL p50 was 44 ms against 39 on `auto`'s plan, and an
+eager 16-row forward took 250 ms against 218 on the packed kernels alone. Until the plan times what the
+step runs (the erring layers on their own best kernel), `auto` leaves fbgemm out.
 """
 
 from __future__ import annotations
@@ -53,6 +63,7 @@ from gpu.quantization import (
     PackedLinear,
     Quantization,
     fbgemm_available,
+    fbgemm_dynamic_linear,
     head_layer_name,
     int8_per_row,
     layer_modes,
@@ -61,7 +72,9 @@ from gpu.quantization import (
 
 logger = logging.getLogger(__name__)
 
-LinearKernels = Literal["auto", "packed"]  # auto: measured here; packed: the packed kernels at every row count
+# auto: measured here; auto-fbgemm: the same with int8 copies on fbgemm among the candidates (below);
+# packed: the packed kernels at every row count
+LinearKernels = Literal["auto", "auto-fbgemm", "packed"]
 # Steps of 8-16 rows are a decode batch beside a few interactive streams (scheduling/step_shaper.py): the
 # buckets there are close, for a copy that wins from 12 rows not to wait for 16.
 ROW_BUCKETS = (1, 4, 8, 12, 16, 24, 32, 64, 128, 256, 512)
@@ -113,8 +126,12 @@ class KernelPlan:
         return "".join(f"+{name}-{kernel_name(copy)}-from{copy.from_rows}" for name, copy in copies if copy is not None)
 
     def describe(self) -> str:
-        layers = ("packed kernels at every row count" if self.dense is None else
-                  f"packed kernels below {self.dense.from_rows} rows, {kernel_name(self.dense)} copies from there")
+        if self.dense is None:
+            layers = "packed kernels at every row count"
+        elif self.dense.from_rows <= 1:  # the packed kernels only in the layers that keep no copy
+            layers = f"{kernel_name(self.dense)} copies at every row count"
+        else:
+            layers = f"packed kernels below {self.dense.from_rows} rows, {kernel_name(self.dense)} copies from there"
         if self.head is None:
             return layers
         return f"{layers}; the LM head packed below {self.head.from_rows} kept rows, {self.head.dtype} from there"
@@ -140,14 +157,15 @@ def head_layout(model: nn.Module, mode: Quantization) -> Layout | None:
     return head.in_features, head.out_features, layer_mode
 
 
-def dense_candidates(model_dtype: torch.dtype, native_bfloat16: bool, device: torch.device) -> list[str]:
+def dense_candidates(model_dtype: torch.dtype, native_bfloat16: bool, device: torch.device,
+                     fbgemm: bool = False) -> list[str]:
     """The dense copies' kernels worth timing: int8 copies on a CPU only (CUDA's `_int_mm` wants more than 16
-    rows), on `_int_mm` and, where this torch has it, on fbgemm."""
+    rows), on `_int_mm` and, when asked and this torch has it, on fbgemm (the module's note on fbgemm)."""
     candidates = [dtype_name(model_dtype)]
     if native_bfloat16 and model_dtype != torch.bfloat16:
         candidates.append("bfloat16")
     if device.type == "cpu":
-        candidates += ["int8", *([FBGEMM_KERNEL] if fbgemm_available() else [])]
+        candidates += ["int8", *([FBGEMM_KERNEL] if fbgemm and fbgemm_available() else [])]
     return candidates
 
 
@@ -197,9 +215,7 @@ def time_layer(linear: nn.Linear, mode: Quantization, rows: int, kernel: str, co
     if kernel == "int8":
         made, x = Int8CopyMultiply(linear), torch.randint(-127, 128, shape, dtype=torch.int8, device=device)
     elif kernel == FBGEMM_KERNEL:
-        made = FbgemmCopyMultiply(linear)
-        levels = INT8_PRECISIONS["fbgemm"].activation_levels
-        x = torch.randint(-levels, levels + 1, shape, device=device).float()
+        made, x = FbgemmCopyMultiply(linear), torch.randn(shape, device=device)
     else:
         made = packed_linear(linear, mode) if kernel == "packed" else DenseMultiply(linear, getattr(torch, kernel))
         x = torch.randn(shape, device=device, dtype=linear.weight.dtype)
@@ -262,16 +278,17 @@ class Int8CopyMultiply(nn.Module):
 
 
 class FbgemmCopyMultiply(nn.Module):
-    """An int8 copy's multiply on fbgemm as a compiled step runs it: from activations already scaled to int8
-    a row (inductor fuses that with the ops before), the weight's scales applied by fbgemm."""
+    """An int8 copy's multiply on fbgemm, its activations' row scales taken eagerly: in a compiled step the
+    op is an extern call with a fused kernel before it, 31 us a layer beside fbgemm's own 86 at one row
+    of 576 x 576 on a Zen 1 EPYC, about what these eager ops cost; timed from the op alone, the copies won
+    at one row, where the served lone decode then took 44 ms against the packed kernels' 39."""
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         self.weight = FbgemmWeight(*int8_per_row(linear.weight.detach(), INT8_PRECISIONS["fbgemm"].weight_levels))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = torch.ops.fairlane.fbgemm_int8_mm(x, self.weight.handle, self.weight.out_features)
-        return out
+        return fbgemm_dynamic_linear(x, self.weight)
 
 
 StepTimer = Callable[[int, str], float]  # (rows, kernel: "packed" or a dense copy's kernel name) -> seconds
@@ -345,7 +362,7 @@ def plan_linear_kernels(model: nn.Module, mode: Quantization, model_dtype: torch
     layouts, head = packed_layouts(model, mode), head_layout(model, mode)
     if choice == "packed" or not (layouts or head):
         return KernelPlan()
-    candidates = dense_candidates(model_dtype, native_bfloat16, device)
+    candidates = dense_candidates(model_dtype, native_bfloat16, device, fbgemm=choice == "auto-fbgemm")
     identity = plan_identity(layouts, candidates, device, model_dtype, head)
     cached = None if cache_dir is None else cache_dir / f"linear-kernels-{identity}.json"
     if cached is not None and cached.is_file():

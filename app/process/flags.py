@@ -20,9 +20,10 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quantization", choices=["auto", "none", "int8", "int4"],
                         help="weight-only quantization of the linear layers; auto (the default) keeps a GGUF "
                              "model's own precision")
-    parser.add_argument("--linear-kernels", dest="linear_kernels", choices=["auto", "packed"],
+    parser.add_argument("--linear-kernels", dest="linear_kernels", choices=["auto", "auto-fbgemm", "packed"],
                         help="auto (the default): quantized layers keep a dense copy for large steps where "
-                             "this machine multiplies it faster (measured at start, cached); packed: no copy")
+                             "this machine multiplies it faster (measured at start, cached); auto-fbgemm: "
+                             "int8 copies on fbgemm's kernels among the candidates; packed: no copy")
     parser.add_argument("--kv-cache-bytes", type=int, help="the KV pool in bytes (default: a share of free memory)")
     parser.add_argument("--kv-cache-memory-fraction", type=float,
                         help="the KV pool's share of the memory free after loading, without --kv-cache-bytes")

@@ -183,7 +183,7 @@ def test_a_real_measurement_times_every_kernel_up_to_its_decision(tmp_path: Path
     plan = plan_linear_kernels(build_builtin("tiny", seed=0), "int8", torch.float32, torch.device("cpu"),
                                native_bfloat16=False, cache_dir=tmp_path)
     assert plan.step_linears_ms is not None
-    kernels = {"packed", "float32", "int8"} | ({linear_kernels.FBGEMM_KERNEL} if fbgemm_available() else set())
+    kernels = {"packed", "float32", "int8"}  # int8 copies on a CPU (on fbgemm only under auto-fbgemm)
     assert all(set(row) == kernels and min(row.values()) > 0 for row in plan.step_linears_ms.values())
     if plan.dense_from_rows is None:  # no dense win: every bucket was timed
         assert plan.dense_dtype is None and sorted(plan.step_linears_ms) == list(ROW_BUCKETS)
@@ -228,10 +228,12 @@ def test_the_lm_head_chooses_its_copy_by_the_rows_it_keeps_inside_a_compiled_gra
     assert compilations_so_far() - before == 1  # one graph served every row count
 
 
-def model_with_copies(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, from_rows: int) -> LoadedModel:
+def model_with_copies(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, from_rows: int,
+                      gemm: Int8Gemm = "int_mm") -> LoadedModel:
     """builtin:tiny in int8 with a dense copy of every packed layer (int8: every layer but the head, the
     error bound lifted: the random model's errors are not a real model's)."""
-    monkeypatch.setattr(linear_kernels, "measure_plan", lambda *_: KernelPlan(DenseCopy(dtype, from_rows)))
+    copy_ = DenseCopy(dtype, from_rows, gemm)
+    monkeypatch.setattr(linear_kernels, "measure_plan", lambda *_: KernelPlan(copy_))
     monkeypatch.setattr(calibration, "INT8_MAX_ERROR", 1.0)
     return load_model("builtin:tiny", device="cpu", dtype="float32", quantization="int8", linear_kernels="auto")
 
@@ -336,14 +338,24 @@ def test_an_fbgemm_weight_is_packed_once_per_copy_and_dropped_with_it() -> None:
     assert handle not in _FBGEMM_WEIGHTS and weight.handle in _FBGEMM_WEIGHTS
 
 
+@needs_fbgemm
+def test_auto_fbgemm_times_the_fbgemm_copies_beside_the_others(tmp_path: Path) -> None:
+    plan = plan_linear_kernels(build_builtin("tiny", seed=0), "int4", torch.float32, torch.device("cpu"),
+                               native_bfloat16=False, choice="auto-fbgemm", cache_dir=tmp_path)
+    assert plan.step_linears_ms is not None
+    assert all(linear_kernels.FBGEMM_KERNEL in row for row in plan.step_linears_ms.values())
+
+
 def test_an_fbgemm_plan_names_its_gemm_on_disk_and_in_its_graphs() -> None:
     plan = KernelPlan(linear_kernels.dense_copy_of(linear_kernels.FBGEMM_KERNEL, 4))
     assert plan.dense == DenseCopy(torch.int8, 4, "fbgemm")
     assert linear_kernels.plan_from_json(linear_kernels.plan_as_json(plan)).dense == plan.dense
     assert plan.graph_variant() == "+dense-int8_fbgemm-from4"  # not the artifacts of an int8 copy on `_int_mm`
     assert KernelPlan(DenseCopy(torch.int8, 4)).graph_variant() == "+dense-int8-from4"
-    candidates = linear_kernels.dense_candidates(torch.float32, False, torch.device("cpu"))
-    assert (linear_kernels.FBGEMM_KERNEL in candidates) == fbgemm_available()
+    asked = linear_kernels.dense_candidates(torch.float32, False, torch.device("cpu"), fbgemm=True)
+    assert (linear_kernels.FBGEMM_KERNEL in asked) == fbgemm_available()
+    assert linear_kernels.FBGEMM_KERNEL not in linear_kernels.dense_candidates(torch.float32, False,
+                                                                                torch.device("cpu"))
     assert linear_kernels.FBGEMM_KERNEL not in linear_kernels.dense_candidates(torch.float32, True,
                                                                                 torch.device("cuda"))
 
@@ -373,14 +385,16 @@ def test_a_layer_past_the_error_bound_keeps_no_int8_copy(monkeypatch: pytest.Mon
     assert all(m.dense_weight is None for m in loaded.model.modules() if isinstance(m, PackedLinear))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.int8])
+@pytest.mark.parametrize(("dtype", "gemm"), [(torch.float32, "int_mm"), (torch.int8, "int_mm"),
+                                             pytest.param(torch.int8, "fbgemm", marks=needs_fbgemm)])
 async def test_a_quantized_model_with_dense_copies_serves_its_prompts(monkeypatch: pytest.MonkeyPatch,
-                                                                     dtype: torch.dtype) -> None:
-    loaded = model_with_copies(monkeypatch, dtype, from_rows=8)
+                                                                     dtype: torch.dtype, gemm: Int8Gemm) -> None:
+    loaded = model_with_copies(monkeypatch, dtype, from_rows=8, gemm=gemm)
     head = loaded.model.get_output_embeddings()
     copies = [m for m in loaded.model.modules()
               if isinstance(m, PackedLinear) and (m is not head or dtype != torch.int8)]  # int8: never the head
     assert copies and all(m.dense_weight is not None and m.dense_from_rows == 8 for m in copies)
+    assert all((m.fbgemm_weight is not None) == (gemm == "fbgemm") for m in copies if m is not head)
     assert loaded.kernel_plan.dense_from_rows == 8
     prompts = [byte_prompt(20 + 15 * i, offset=11 * i) for i in range(4)]
     expected_first = [int(hf_logits(loaded.model, p)[-1].argmax()) for p in prompts]  # dense: every prompt is >= 8

@@ -30,10 +30,12 @@ Zen 1 EPYC (AVX2, no VNNI) they multiply SmolLM2's step linears in 26-29 ms at 1
 46 at 8, against the packed kernels' 28-35, 48-58 and 90, at the perplexity of the packed kernels. But
 the plan takes a copy for every layer, where only the calibrated layers keep an int8 one (148 of 210
 there); the others, the MLPs' larger projections among them, keep the packed kernels at every row
-count, so prompt chunks lose the float32 copies `auto` gives every layer from 24 rows there. Served
-with fbgemm copies from one row, a lone stream's ITL p50 was 44 ms against 39 on `auto`'s plan, and an
-eager 16-row forward took 250 ms against 218 on the packed kernels alone. Until the plan times what the
-step runs (the erring layers on their own best kernel), `auto` leaves fbgemm out.
+count, where `auto` gives every layer float32 copies from 24 rows there, which the plan's timing never
+sees. In one process an eager forward on fbgemm copies from one row took 90.7 ms against 64.2 on the
+packed kernels alone at 1 row, and 250 against 219 at 16; served, a lone stream's ITL p50 read 44 ms
+against 39 on `auto`'s plan twelve minutes later (that machine's lone decode read 31-44 ms over the
+day's runs). Until the plan times what the step runs (the erring layers on their own best kernel, the
+copies' extern calls), `auto` leaves fbgemm out.
 """
 
 from __future__ import annotations
@@ -281,7 +283,7 @@ class FbgemmCopyMultiply(nn.Module):
     """An int8 copy's multiply on fbgemm, its activations' row scales taken eagerly: in a compiled step the
     op is an extern call with a fused kernel before it, 31 us a layer beside fbgemm's own 86 at one row
     of 576 x 576 on a Zen 1 EPYC, about what these eager ops cost; timed from the op alone, the copies won
-    at one row, where the served lone decode then took 44 ms against the packed kernels' 39."""
+    at one row, where an eager forward on them then took 90.7 ms against the packed kernels' 64.2."""
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()

@@ -30,10 +30,11 @@ decodes, a prompt chunk's last token), which no graph knows, so it keeps a float
 that EPYC its int8 kernel took 12.6 ms at 16 rows, a third of the step, where a bfloat16 copy took 6.6.
 
 Without VNNI, `aten._int_mm` on the CPU is a plain loop (an AVX2 EPYC: 641 ms for SmolLM2's step linears
-at 8 rows), so an int8 copy may multiply on fbgemm's kernels instead (`DenseCopy.int8_gemm`, chosen by
-the measurement like the rest of the plan): fbgemm packs the copy once and sums pairs of uint8 x int8
-products with AVX2's `vpmaddubsw`. On a Zen 1 EPYC (AVX2, no VNNI) SmolLM2's step linears took 23, 35,
-41 and 67 ms at 1, 4, 8 and 16 rows that way, against 28, 43, 73 and 129 on the packed int4 kernels.
+at 8 rows), so an int8 copy may multiply on fbgemm's kernels instead (`DenseCopy.int8_gemm`, a candidate
+of the plan under `--linear-kernels auto-fbgemm`, gpu/linear_kernels.py): fbgemm packs the copy once and
+sums pairs of uint8 x int8 products with AVX2's `vpmaddubsw`. On a Zen 1 EPYC (AVX2, no VNNI), called in
+a loop over SmolLM2's step linears, fbgemm took 23, 35, 41 and 67 ms at 1, 4, 8 and 16 rows, against
+28, 43, 73 and 129 for the packed int4 kernels in the plan's timing.
 Those pairs are summed in int16, which saturates past 32,767, so one side keeps 7 bits there: the
 activations, as fbgemm's own `reduce_range` does (127 x 127 x 2 fits), with the smoothing moved further
 into the weights (`Int8Precision`). The calibration measures each layer at the precision its GEMM has;
@@ -115,7 +116,9 @@ class PackedLinear(nn.Module):
     dense_weight: torch.Tensor | None  # [out, in] in a float dtype; int8: [in, out], as `_int_mm` takes it
     dense_scales: torch.Tensor | None  # an int8 copy's scale per output row, float32
     dense_input_scales: torch.Tensor | None  # an int8 copy's smoothing: what each input channel is multiplied by
-    fbgemm_weight: FbgemmWeight | None = None  # an int8 copy on fbgemm: its packed values, for dense_forward
+    # An int8 copy on fbgemm: its packed values, for dense_forward (`dense_weight` keeps them too: what
+    # `takes_dense` checks and the calibration's reckoning of the product reads).
+    fbgemm_weight: FbgemmWeight | None = None
     bias: torch.Tensor | None
     # An LM head's rows are the logits a step keeps, which no compiled graph knows against `dense_from_rows`:
     # such a layer chooses between its copy and the packed kernel when the step runs (an int8 head only).

@@ -38,6 +38,7 @@ ALONE = "alone"
 ABUSES = ("large-batch", "poison-batch", "uploads", "tokenize", "heavy-bodies", "reattach", "pins")
 NEIGHBOUR = "with_neighbour"
 MIB = 1024 * 1024
+ABUSE_GRACE_S = 10.0  # after the phase, what an abuse still waits for is waited for this long at most
 
 
 @dataclass(slots=True, frozen=True)
@@ -158,7 +159,12 @@ async def _run_phase(config: NoisyConfig, http: httpx.AsyncClient, model: str, n
     neighbour = Neighbour(phase).abuses() if name == NEIGHBOUR else []
     neighbour_tasks = [asyncio.create_task(abuse) for abuse in neighbour]
     await asyncio.gather(*light)
-    for task in neighbour_tasks:  # the light tenant is done: the abuses stop with it
+    # The light tenant is done, and the phase closed: each looping abuse ends with the answer it waits
+    # for (a heavy body's, prepared at a low priority, can take seconds on a busy 2-core machine), and
+    # what is still running after ABUSE_GRACE_S (the large batch, most likely) is cancelled.
+    if neighbour_tasks:
+        await asyncio.wait(neighbour_tasks, timeout=ABUSE_GRACE_S)
+    for task in neighbour_tasks:
         task.cancel()
     await asyncio.gather(*neighbour_tasks, return_exceptions=True)
     return phase.result

@@ -121,6 +121,19 @@ def test_a_calibrated_cost_model_predicts_as_a_warm_one_from_the_first_step() ->
     assert seconds < unshaped
 
 
+def test_a_calibrated_lone_decode_is_the_quickest_of_its_repeats_not_the_first_runs_cost() -> None:
+    flood = Flood(ShapingConfig(), calibrate=False)
+    scheduler, lone_decode_s = flood.scheduler, COST.seconds(_tokens(1))
+    first_run = True
+    for plan in scheduler.calibration_steps():
+        seconds = COST.seconds(plan)
+        if plan.num_tokens == 1 and first_run:  # the forward's first run at this shape pays once, 1.5x
+            seconds, first_run = 1.5 * seconds, False
+        scheduler.observe_calibration(plan, seconds)
+    assert not first_run
+    assert scheduler.shaper.cost_model.lone_decode_s == pytest.approx(lone_decode_s)
+
+
 async def test_the_engine_calibrates_before_its_first_request() -> None:
     scheduler = make_scheduler(SchedulerConfig(max_num_batched_tokens=256), num_device_blocks=256)
     executor = FakeExecutor(scheduler.geometry, COST)

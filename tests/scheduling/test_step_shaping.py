@@ -111,6 +111,22 @@ def test_a_step_size_priced_out_by_one_slow_step_is_priced_again_once_that_step_
     assert predicted is not None and seconds_of[4] < predicted < seconds_of[6]
 
 
+def test_a_step_quicker_than_the_lone_decode_takes_its_place() -> None:
+    """A lone decode timed on a busier machine would loosen every derived target through a flood, which
+    serves none to correct it; no step that computes a row is quicker than a lone decode."""
+    model = StepCostModel()
+    lone, four_decodes = StepWork(tokens=1, sequences=1), StepWork(tokens=4, sequences=4)
+    model.observe(lone, 0.080)
+    model.observe(four_decodes, 0.090)
+    assert model.lone_decode_s == pytest.approx(0.080)  # a larger step, slower: nothing learned
+    model.observe(four_decodes, 0.060)
+    assert model.lone_decode_s == pytest.approx(0.060)
+    model.observe(StepWork(), 0.001)  # an empty step computes nothing
+    assert model.lone_decode_s == pytest.approx(0.060)
+    model.observe(lone, 0.050)  # served lone decodes move it as before
+    assert model.lone_decode_s == pytest.approx(0.8 * 0.060 + 0.2 * 0.050)
+
+
 def test_a_changed_forward_makes_the_model_forget_the_old_step_times() -> None:
     """The runner reports the first step of its compiled forward (a background compilation ended): the
     eager steps before it would make every prediction several times too long, so they are dropped, and

@@ -59,7 +59,7 @@ from torch import nn
 
 from gpu.compiled import machine_key
 from gpu.quantization import (
-    INT8_PRECISIONS,
+    FBGEMM_PRECISION,
     DenseCopy,
     FbgemmWeight,
     PackedLinear,
@@ -160,14 +160,17 @@ def head_layout(model: nn.Module, mode: Quantization) -> Layout | None:
 
 
 def dense_candidates(model_dtype: torch.dtype, native_bfloat16: bool, device: torch.device,
-                     fbgemm: bool = False) -> list[str]:
+                     fbgemm: bool = False, int8_dot_products: bool = True) -> list[str]:
     """The dense copies' kernels worth timing: int8 copies on a CPU only (CUDA's `_int_mm` wants more than 16
-    rows), on `_int_mm` and, when asked and this torch has it, on fbgemm (the module's note on fbgemm)."""
+    rows), on `_int_mm` where the CPU has integer dot products (without them it is a plain loop, 641 ms for
+    SmolLM2's step linears at 8 rows on a Zen 1 EPYC, and its timing took most of the plan's 15-20 s there)
+    and, when asked and this torch has it, on fbgemm (the module's note on fbgemm)."""
     candidates = [dtype_name(model_dtype)]
     if native_bfloat16 and model_dtype != torch.bfloat16:
         candidates.append("bfloat16")
     if device.type == "cpu":
-        candidates += ["int8", *([FBGEMM_KERNEL] if fbgemm and fbgemm_available() else [])]
+        candidates += [*(["int8"] if int8_dot_products else []),
+                       *([FBGEMM_KERNEL] if fbgemm and fbgemm_available() else [])]
     return candidates
 
 
@@ -287,7 +290,7 @@ class FbgemmCopyMultiply(nn.Module):
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
-        self.weight = FbgemmWeight(*int8_per_row(linear.weight.detach(), INT8_PRECISIONS["fbgemm"].weight_levels))
+        self.weight = FbgemmWeight(*int8_per_row(linear.weight.detach(), FBGEMM_PRECISION.weight_levels))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return fbgemm_dynamic_linear(x, self.weight)
@@ -357,14 +360,15 @@ def plan_from_json(data: dict[str, Any]) -> KernelPlan:
 
 
 def plan_linear_kernels(model: nn.Module, mode: Quantization, model_dtype: torch.dtype, device: torch.device, *,
-                        native_bfloat16: bool, choice: LinearKernels = "auto",
+                        native_bfloat16: bool, int8_dot_products: bool = True, choice: LinearKernels = "auto",
                         cache_dir: Path | None = None) -> KernelPlan:
     """The plan for this model's packed layers on this machine: measured, or read from where an earlier
     start on the same machine kept it."""
     layouts, head = packed_layouts(model, mode), head_layout(model, mode)
     if choice == "packed" or not (layouts or head):
         return KernelPlan()
-    candidates = dense_candidates(model_dtype, native_bfloat16, device, fbgemm=choice == "auto-fbgemm")
+    candidates = dense_candidates(model_dtype, native_bfloat16, device, fbgemm=choice == "auto-fbgemm",
+                                  int8_dot_products=int8_dot_products)
     identity = plan_identity(layouts, candidates, device, model_dtype, head)
     cached = None if cache_dir is None else cache_dir / f"linear-kernels-{identity}.json"
     if cached is not None and cached.is_file():
@@ -440,5 +444,11 @@ def timings_text(timings: dict[int, dict[str, float]] | None) -> str:
 
 
 def dense_copy_bytes(model: nn.Module) -> int:
-    return sum(m.dense_weight.numel() * m.dense_weight.element_size()
-               for m in model.modules() if isinstance(m, PackedLinear) and m.dense_weight is not None)
+    return sum(_copy_bytes(m) for m in model.modules() if isinstance(m, PackedLinear))
+
+
+def _copy_bytes(layer: PackedLinear) -> int:
+    total = 0 if layer.fbgemm_weight is None else layer.fbgemm_weight.nbytes
+    for tensor in (layer.dense_weight, layer.dense_scales):
+        total += 0 if tensor is None else tensor.numel() * tensor.element_size()
+    return total

@@ -95,6 +95,12 @@ def cpu_multiplies_bfloat16(cpuinfo: str = "/proc/cpuinfo") -> bool:
     return not cpu_flags(cpuinfo).isdisjoint({"amx_bf16", "avx512_bf16"})
 
 
+def cpu_multiplies_int8(cpuinfo: str = "/proc/cpuinfo") -> bool:
+    """Whether the CPU has int8 dot products (VNNI, in AVX-512 or AVX, or AMX): then `aten._int_mm` is a
+    candidate kernel for a packed layer's dense copy (gpu/linear_kernels.py); without them it is a plain loop."""
+    return not cpu_flags(cpuinfo).isdisjoint({"avx512_vnni", "avx_vnni", "amx_int8"})
+
+
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     if dtype == "auto":
         native = device.type == "cuda" or cpu_has_native_bfloat16()
@@ -252,6 +258,7 @@ def load_model(spec: str, *, device: str = "auto", dtype: str = "auto", seed: in
     model = model.to(device=torch_device, dtype=torch_dtype)
     plan = plan_linear_kernels(model, mode, torch_dtype, torch_device, choice=linear_kernels,
                                native_bfloat16=torch_device.type == "cuda" or cpu_multiplies_bfloat16(),
+                               int8_dot_products=torch_device.type == "cpu" and cpu_multiplies_int8(),
                                cache_dir=None if kernel_plan_dir is None else Path(kernel_plan_dir))
     smoothing = None
     if plan.dense is not None and plan.dense.dtype == torch.int8:

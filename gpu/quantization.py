@@ -90,8 +90,12 @@ class Int8Precision:
 
 
 # fbgemm: 7-bit activations, so a pair of uint8 x int8 products stays within int16 (the module's note)
-INT8_PRECISIONS: dict[Int8Gemm, Int8Precision] = {"int_mm": Int8Precision(),
-                                                   "fbgemm": Int8Precision(activation_levels=63, smoothing_alpha=0.8)}
+FBGEMM_PRECISION = Int8Precision(activation_levels=63, smoothing_alpha=0.8)
+INT8_PRECISIONS: dict[Int8Gemm, Int8Precision] = {"int_mm": Int8Precision(), "fbgemm": FBGEMM_PRECISION}
+# Read on every fbgemm multiply, so kept as plain ints: the activations' -levels..levels are handed to
+# fbgemm as uint8 1..2 x levels + 1.
+_FBGEMM_LEVELS = FBGEMM_PRECISION.activation_levels
+_FBGEMM_ZERO_POINT = _FBGEMM_LEVELS + 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,11 +117,10 @@ class DenseCopy:
 class PackedLinear(nn.Module):
     """What the packed layers share: the optional dense copy and the choice between it and the packed kernel."""
 
-    dense_weight: torch.Tensor | None  # [out, in] in a float dtype; int8: [in, out], as `_int_mm` takes it
-    dense_scales: torch.Tensor | None  # an int8 copy's scale per output row, float32
+    dense_weight: torch.Tensor | None  # [out, in] in a float dtype; int8 on `_int_mm`: [in, out], as it takes it
+    dense_scales: torch.Tensor | None  # an int8 copy's scale per output row on `_int_mm`, float32
     dense_input_scales: torch.Tensor | None  # an int8 copy's smoothing: what each input channel is multiplied by
-    # An int8 copy on fbgemm: its packed values, for dense_forward (`dense_weight` keeps them too: what
-    # `takes_dense` checks and the calibration's reckoning of the product reads).
+    # An int8 copy on fbgemm: its values and scales, packed once (no `dense_weight` beside them).
     fbgemm_weight: FbgemmWeight | None = None
     bias: torch.Tensor | None
     # An LM head's rows are the logits a step keeps, which no compiled graph knows against `dense_from_rows`:
@@ -132,22 +135,29 @@ class PackedLinear(nn.Module):
         row's 8 bits. Without one, the layer keeps no copy."""
         weight = scales = input_scales = None
         if dense is not None and dense.dtype == torch.int8 and smoothing is not None:
-            weight, scales = int8_per_row(values().float() * smoothing.float(), dense.int8_precision.weight_levels)
+            int8_values, int8_scales = int8_per_row(values().float() * smoothing.float(),
+                                                    dense.int8_precision.weight_levels)
+            input_scales = 1.0 / smoothing.float()
             if dense.int8_gemm == "fbgemm":
-                self.fbgemm_weight = FbgemmWeight(weight, scales)
-            weight, input_scales = weight.t().contiguous(), 1.0 / smoothing.float()
+                self.fbgemm_weight = FbgemmWeight(int8_values, int8_scales)
+            else:
+                weight, scales = int8_values.t().contiguous(), int8_scales
         elif dense is not None and dense.dtype != torch.int8:
             weight = values().to(dense.dtype)
         self.register_buffer("dense_weight", weight)
         self.register_buffer("dense_scales", scales)
         self.register_buffer("dense_input_scales", input_scales)
-        self.dense_from_rows = 0 if weight is None or dense is None else dense.from_rows
+        self.dense_from_rows = dense.from_rows if dense is not None and self.has_dense_copy else 0
+
+    @property
+    def has_dense_copy(self) -> bool:
+        return self.dense_weight is not None or self.fbgemm_weight is not None
 
     def takes_dense(self, x: torch.Tensor) -> bool:
         """From `dense_from_rows` rows on. Inside a compiled graph the rows are a symbol: the copy is taken
         only where the graph asserts the step reaches that many tokens (gpu/compiled.py), never where it may
         not (an LM head's kept rows: it switches when the step runs, see `rows_switched_int8`)."""
-        if self.dense_weight is None:
+        if not self.has_dense_copy:
             return False
         rows = math.prod(x.shape[:-1])
         if torch.compiler.is_compiling():
@@ -155,15 +165,16 @@ class PackedLinear(nn.Module):
         return rows >= self.dense_from_rows
 
     def dense_forward(self, x: torch.Tensor) -> torch.Tensor:
-        assert self.dense_weight is not None
-        if self.dense_scales is not None and self.dense_input_scales is not None:
+        if self.dense_input_scales is not None:  # an int8 copy
             smoothed = x.reshape(-1, x.shape[-1]).float() * self.dense_input_scales
             if self.fbgemm_weight is not None:
                 out = fbgemm_dynamic_linear(smoothed, self.fbgemm_weight)
             else:
+                assert self.dense_weight is not None and self.dense_scales is not None
                 out = int8_dynamic_linear(smoothed, self.dense_weight, self.dense_scales)
-            out = out.view(*x.shape[:-1], self.dense_weight.shape[1])
+            out = out.view(*x.shape[:-1], out.shape[-1])
         else:
+            assert self.dense_weight is not None
             out = float_copy_linear(x, self.dense_weight)
         out = out.to(x.dtype)
         return out if self.bias is None else out + self.bias
@@ -211,20 +222,24 @@ class FbgemmWeight:
             weight = torch._make_per_channel_quantized_tensor(values.cpu(), scales.double().cpu(), zero_points, 0)
             packed = torch.ops.quantized.linear_prepack(weight, None)
         self.out_features = values.shape[0]
+        self.nbytes = values.numel() + 4 * values.shape[0]  # int8 values and a float32 scale per row, packed
         self.handle = next(_fbgemm_handles)
         _FBGEMM_WEIGHTS[self.handle] = packed
         weakref.finalize(self, _FBGEMM_WEIGHTS.pop, self.handle, None)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> FbgemmWeight:
+        return FbgemmWeight(*self.unpacked())
+
+    def unpacked(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The int8 values [out, in] and float32 scales it was packed from."""
         weight, _ = torch.ops.quantized.linear_unpack(_FBGEMM_WEIGHTS[self.handle])
-        return FbgemmWeight(weight.int_repr(), weight.q_per_channel_scales().float())
+        return weight.int_repr(), weight.q_per_channel_scales().float()
 
 
 def fbgemm_dynamic_linear(x: torch.Tensor, weight: FbgemmWeight) -> torch.Tensor:
     """x [rows, in] float32 @ the packed weight^T, x quantized to int8 a row at a time: float32 [rows, out].
     The row scales are taken here, where a compiled step fuses them with the ops before; fbgemm rounds."""
-    levels = INT8_PRECISIONS["fbgemm"].activation_levels
-    x_scales = x.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / levels
+    x_scales = x.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / _FBGEMM_LEVELS
     out: torch.Tensor = torch.ops.fairlane.fbgemm_int8_mm(x / x_scales, weight.handle, weight.out_features)
     return out * x_scales
 
@@ -232,13 +247,8 @@ def fbgemm_dynamic_linear(x: torch.Tensor, weight: FbgemmWeight) -> torch.Tensor
 def fbgemm_int8_mm(x: torch.Tensor, handle: int, out_features: int) -> torch.Tensor:
     """x: float32 activations already within ±levels, each row in its own scale; the weight's scales applied."""
     out: torch.Tensor = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(
-        x.contiguous(), 1.0, fbgemm_zero_point(), _FBGEMM_WEIGHTS[handle])
+        x.contiguous(), 1.0, _FBGEMM_ZERO_POINT, _FBGEMM_WEIGHTS[handle])
     return out
-
-
-def fbgemm_zero_point() -> int:
-    """The activations' -levels..levels handed to fbgemm as uint8 1..2 x levels + 1."""
-    return INT8_PRECISIONS["fbgemm"].activation_levels + 1
 
 
 def kernel_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:

@@ -19,7 +19,7 @@ from torch import nn
 from contract.plan import SamplingParams, ScheduledSequence
 from gpu import calibration, linear_kernels
 from gpu.compiled import PackedForward, compilations_so_far, use_artifact_folder, warm_up_steps
-from gpu.linear_kernels import ROW_BUCKETS, KernelPlan, measure_plan, plan_linear_kernels
+from gpu.linear_kernels import ROW_BUCKETS, KernelPlan, dense_copy_bytes, measure_plan, plan_linear_kernels
 from gpu.models import LoadedModel, build_builtin, load_model
 from gpu.quantization import (
     _FBGEMM_WEIGHTS,
@@ -286,7 +286,11 @@ def test_an_int8_copy_multiplies_within_a_few_percent_of_the_packed_kernel(kind:
     with_copy = kind(linear, dense=copy_, smoothing=smoothing)
     unsmoothed = kind(linear, dense=copy_, smoothing=torch.ones(128))
     assert (with_copy.fbgemm_weight is not None) == (gemm == "fbgemm")
-    assert with_copy.dense_weight is not None and with_copy.dense_weight.dtype == torch.int8
+    assert with_copy.has_dense_copy and with_copy.dense_input_scales is not None
+    if gemm == "fbgemm":  # its values are kept once, packed
+        assert with_copy.dense_weight is None and with_copy.dense_scales is None
+    else:
+        assert with_copy.dense_weight is not None and with_copy.dense_weight.dtype == torch.int8
     with torch.inference_mode():
         assert torch.equal(with_copy(x[:3]), packed(x[:3]))  # below the row count: the packed kernel
         error = (with_copy(x) - packed(x)).norm() / packed(x).norm()
@@ -303,7 +307,8 @@ def test_an_fbgemm_copy_multiplies_as_the_calibration_reckons_it_eagerly_and_com
     linear = nn.Linear(96, 80, bias=False)
     smoothing = torch.rand(96) + 0.5
     layer = Int4WeightOnlyLinear(linear, dense=DenseCopy(torch.int8, 1, "fbgemm"), smoothing=smoothing)
-    assert layer.fbgemm_weight is not None and layer.dense_weight is not None and layer.dense_scales is not None
+    assert layer.fbgemm_weight is not None and layer.dense_weight is None
+    values, scales = layer.fbgemm_weight.unpacked()
     precision = INT8_PRECISIONS["fbgemm"]
     torch._dynamo.reset()
     before = compilations_so_far()
@@ -315,7 +320,7 @@ def test_an_fbgemm_copy_multiplies_as_the_calibration_reckons_it_eagerly_and_com
     for rows in (1, 7, 33):
         x = torch.randn(rows, 96)
         torch._dynamo.decorators.mark_unbacked(x, 0)
-        reckoned = int8_dynamic_linear(x * (1 / smoothing), layer.dense_weight, layer.dense_scales,
+        reckoned = int8_dynamic_linear(x * (1 / smoothing), values.t().contiguous(), scales,
                                        precision.activation_levels)
         with torch.inference_mode():
             eager, out = layer(x), compiled(x)
@@ -328,6 +333,9 @@ def test_an_fbgemm_copy_multiplies_as_the_calibration_reckons_it_eagerly_and_com
 def test_an_fbgemm_weight_is_packed_once_per_copy_and_dropped_with_it() -> None:
     values, scales = int8_per_row(torch.randn(16, 32))
     weight = FbgemmWeight(values, scales)
+    unpacked_values, unpacked_scales = weight.unpacked()
+    assert torch.equal(unpacked_values, values)
+    torch.testing.assert_close(unpacked_scales, scales)
     copied = copy.deepcopy(weight)
     assert copied.handle != weight.handle and set(_FBGEMM_WEIGHTS) >= {weight.handle, copied.handle}
     x = torch.randn(3, 32)
@@ -393,7 +401,8 @@ async def test_a_quantized_model_with_dense_copies_serves_its_prompts(monkeypatc
     head = loaded.model.get_output_embeddings()
     copies = [m for m in loaded.model.modules()
               if isinstance(m, PackedLinear) and (m is not head or dtype != torch.int8)]  # int8: never the head
-    assert copies and all(m.dense_weight is not None and m.dense_from_rows == 8 for m in copies)
+    assert copies and all(m.has_dense_copy and m.dense_from_rows == 8 for m in copies)
+    assert dense_copy_bytes(loaded.model) > 0
     assert all((m.fbgemm_weight is not None) == (gemm == "fbgemm") for m in copies if m is not head)
     assert loaded.kernel_plan.dense_from_rows == 8
     prompts = [byte_prompt(20 + 15 * i, offset=11 * i) for i in range(4)]
@@ -405,3 +414,10 @@ async def test_a_quantized_model_with_dense_copies_serves_its_prompts(monkeypatc
         assert_kv_all_free(engine)
     assert [tokens_of(events)[0] for events in results] == expected_first
     assert all(len(tokens_of(events)) == 12 for events in results)
+
+
+def test_int8_copies_on_int_mm_are_timed_only_where_the_cpu_has_int8_dot_products() -> None:
+    cpu = torch.device("cpu")
+    assert "int8" in linear_kernels.dense_candidates(torch.float32, False, cpu, int8_dot_products=True)
+    without = linear_kernels.dense_candidates(torch.float32, False, cpu, fbgemm=True, int8_dot_products=False)
+    assert "int8" not in without and (linear_kernels.FBGEMM_KERNEL in without) == fbgemm_available()

@@ -8,7 +8,13 @@ import psutil
 import pytest
 import torch
 
-from gpu.models import LoadedModel, cpu_has_native_bfloat16, cpu_multiplies_bfloat16, resolve_dtype
+from gpu.models import (
+    LoadedModel,
+    cpu_has_native_bfloat16,
+    cpu_multiplies_bfloat16,
+    cpu_multiplies_int8,
+    resolve_dtype,
+)
 from gpu.runner import ModelRunner, RunnerBudget, kv_pool_bytes, kv_shape_of
 
 CPU = torch.device("cpu")
@@ -67,9 +73,23 @@ def test_bfloat16_dense_copies_are_a_candidate_where_the_cpu_has_bfloat16_dot_pr
     assert cpu_multiplies_bfloat16(str(cpuinfo)) is multiplies
 
 
+@pytest.mark.parametrize(("flags", "multiplies"), [
+    ("fpu sse avx2 avx512f avx512_vnni", True),
+    ("fpu sse avx2 avx_vnni", True),
+    ("fpu sse avx2 amx_int8 amx_tile", True),
+    ("fpu sse avx2 fma", False),
+])
+def test_int8_copies_on_int_mm_are_a_candidate_where_the_cpu_has_int8_dot_products(
+        tmp_path: Path, flags: str, multiplies: bool) -> None:
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text(f"processor\t: 0\nmodel name\t: Some CPU\nflags\t\t: {flags}\n")
+    assert cpu_multiplies_int8(str(cpuinfo)) is multiplies
+
+
 def test_without_cpuinfo_there_is_no_native_bfloat16(tmp_path: Path) -> None:
     assert not cpu_has_native_bfloat16(str(tmp_path / "missing"))
     assert not cpu_multiplies_bfloat16(str(tmp_path / "missing"))
+    assert not cpu_multiplies_int8(str(tmp_path / "missing"))
 
 
 def test_explicit_dtypes_win_over_the_machine() -> None:

@@ -149,9 +149,9 @@ class StepCostModel:
         if _is_lone_decode(work):
             # The quickest of the calibration's lone decodes, not their moving average: the first is the
             # forward's first run at this shape, and pays once for what every later step finds ready. On a
-            # Zen 1 EPYC, just after the compiled forward loaded, the average read 66-73 ms where the lone
-            # decodes served next took 44-56; under a flood, where lone decodes are too rare to correct it, it
-            # loosened every derived target (multiples of it) by a third.
+            # Zen 1 EPYC, just after the compiled forward loaded, the average read 48-84 ms on four fresh
+            # servers whose served lone decodes took 44-56; under a flood, where lone decodes are too rare
+            # to correct it, it loosened every derived target (multiples of it) by up to 1.7x.
             last = self.lone_decode_s
             self.lone_decode_s = measured_s if last is None else min(last, measured_s)
         if len(self._anchors) >= 2 * NUM_TERMS or len(self._anchors) + len(self._samples) >= self.min_samples:

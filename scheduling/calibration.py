@@ -6,7 +6,8 @@ server whose first traffic was a batch flood had seen only full 512-token steps,
 them to the small steps it shapes. Before its first step (and again when the runner changes its forward,
 the eager one for the compiled one) the engine runs these steps, each kind the shaper weighs: decodes
 alone at eight batch sizes, prompt chunks of three lengths, a chunk that continues a long context, and
-decodes beside a chunk. Each runs twice; their times anchor every later fit.
+decodes beside a chunk. Each runs twice, and its quicker time anchors every later fit (the first run
+at a shape may pay once for what later steps find ready, scheduling/step_cost.py).
 
 The steps compute over free device blocks the scheduler takes from its pool for the step and gives back
 right after (their contents are junk, never entered in the prefix cache). A step that does not fit the

@@ -15,6 +15,7 @@ from contract.plan import CacheGeometry, SamplingParams, ScheduledSequence, Step
 from scheduling.engine import Engine
 from scheduling.request import PriorityClass, Request
 from scheduling.scheduler import Scheduler, SchedulerConfig
+from scheduling.step_cost import StepWork
 from scheduling.step_shaper import ShapingConfig, work_of
 from tests.factories import VirtualClock, collect, make_request, make_scheduler, running, wait_until
 
@@ -121,17 +122,22 @@ def test_a_calibrated_cost_model_predicts_as_a_warm_one_from_the_first_step() ->
     assert seconds < unshaped
 
 
-def test_a_calibrated_lone_decode_is_the_quickest_of_its_repeats_not_the_first_runs_cost() -> None:
+def test_each_calibrated_shape_keeps_the_quickest_of_its_repeats_not_the_first_runs_cost() -> None:
+    """The forward's first run at a shape pays once (here 3x): the lone decode, and the line and buckets,
+    are those of the steps that follow."""
     flood = Flood(ShapingConfig(), calibrate=False)
-    scheduler, lone_decode_s = flood.scheduler, COST.seconds(_tokens(1))
-    first_run = True
+    scheduler, seen = flood.scheduler, set()
     for plan in scheduler.calibration_steps():
-        seconds = COST.seconds(plan)
-        if plan.num_tokens == 1 and first_run:  # the forward's first run at this shape pays once, 1.5x
-            seconds, first_run = 1.5 * seconds, False
-        scheduler.observe_calibration(plan, seconds)
-    assert not first_run
-    assert scheduler.shaper.cost_model.lone_decode_s == pytest.approx(lone_decode_s)
+        shape = tuple(len(seq.token_ids) for seq in plan.sequences)
+        scheduler.observe_calibration(plan, COST.seconds(plan) * (1 if shape in seen else 3))
+        seen.add(shape)
+    model = scheduler.shaper.cost_model
+    assert model.lone_decode_s == pytest.approx(COST.seconds(_tokens(1)))
+    for num_decodes in (1, 4, 8):
+        work = StepWork()
+        for _ in range(num_decodes):
+            work.add_sequence(1, 128)
+        assert model.predict(work) == pytest.approx(COST.overhead_s + COST.per_token_s * num_decodes, rel=0.05)
 
 
 async def test_the_engine_calibrates_before_its_first_request() -> None:

@@ -50,15 +50,19 @@ def test_a_runner_without_a_byte_budget_sizes_its_pool(tiny_model: LoadedModel, 
     assert "512 tokens in all" in caplog.text
 
 
+def cpuinfo_with(tmp_path: Path, flags: str) -> str:
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text(f"processor\t: 0\nmodel name\t: Some CPU\nflags\t\t: {flags}\n")
+    return str(cpuinfo)
+
+
 @pytest.mark.parametrize(("flags", "native"), [
     ("fpu sse avx2 avx512f amx_bf16 amx_tile", True),
     ("fpu sse avx2 avx512f avx512_bf16", False),
     ("fpu sse avx2 avx512f", False),
 ])
 def test_native_bfloat16_is_read_from_the_cpu_flags(tmp_path: Path, flags: str, native: bool) -> None:
-    cpuinfo = tmp_path / "cpuinfo"
-    cpuinfo.write_text(f"processor\t: 0\nmodel name\t: Some CPU\nflags\t\t: {flags}\n")
-    assert cpu_has_native_bfloat16(str(cpuinfo)) is native
+    assert cpu_has_native_bfloat16(cpuinfo_with(tmp_path, flags)) is native
 
 
 @pytest.mark.parametrize(("flags", "multiplies"), [
@@ -68,9 +72,7 @@ def test_native_bfloat16_is_read_from_the_cpu_flags(tmp_path: Path, flags: str, 
 ])
 def test_bfloat16_dense_copies_are_a_candidate_where_the_cpu_has_bfloat16_dot_products(
         tmp_path: Path, flags: str, multiplies: bool) -> None:
-    cpuinfo = tmp_path / "cpuinfo"
-    cpuinfo.write_text(f"processor\t: 0\nmodel name\t: Some CPU\nflags\t\t: {flags}\n")
-    assert cpu_multiplies_bfloat16(str(cpuinfo)) is multiplies
+    assert cpu_multiplies_bfloat16(cpuinfo_with(tmp_path, flags)) is multiplies
 
 
 @pytest.mark.parametrize(("flags", "multiplies"), [
@@ -81,9 +83,7 @@ def test_bfloat16_dense_copies_are_a_candidate_where_the_cpu_has_bfloat16_dot_pr
 ])
 def test_int8_copies_on_int_mm_are_a_candidate_where_the_cpu_has_int8_dot_products(
         tmp_path: Path, flags: str, multiplies: bool) -> None:
-    cpuinfo = tmp_path / "cpuinfo"
-    cpuinfo.write_text(f"processor\t: 0\nmodel name\t: Some CPU\nflags\t\t: {flags}\n")
-    assert cpu_multiplies_int8(str(cpuinfo)) is multiplies
+    assert cpu_multiplies_int8(cpuinfo_with(tmp_path, flags)) is multiplies
 
 
 def test_without_cpuinfo_there_is_no_native_bfloat16(tmp_path: Path) -> None:

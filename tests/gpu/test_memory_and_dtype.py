@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
@@ -50,40 +51,31 @@ def test_a_runner_without_a_byte_budget_sizes_its_pool(tiny_model: LoadedModel, 
     assert "512 tokens in all" in caplog.text
 
 
-def cpuinfo_with(tmp_path: Path, flags: str) -> str:
+AMX_BF16 = "fpu sse avx2 avx512f amx_bf16 amx_tile"
+AVX512_BF16 = "fpu sse avx2 avx512f avx512_bf16"
+AVX512 = "fpu sse avx2 avx512f"
+
+
+@pytest.mark.parametrize(("reader", "flags", "found"), [
+    # a whole model in bfloat16: only with AMX
+    (cpu_has_native_bfloat16, AMX_BF16, True),
+    (cpu_has_native_bfloat16, AVX512_BF16, False),
+    (cpu_has_native_bfloat16, AVX512, False),
+    # bfloat16 dense copies: with bfloat16 dot products
+    (cpu_multiplies_bfloat16, AMX_BF16, True),
+    (cpu_multiplies_bfloat16, AVX512_BF16, True),
+    (cpu_multiplies_bfloat16, AVX512, False),
+    # int8 copies on `_int_mm`: with int8 dot products
+    (cpu_multiplies_int8, "fpu sse avx2 avx512f avx512_vnni", True),
+    (cpu_multiplies_int8, "fpu sse avx2 avx_vnni", True),
+    (cpu_multiplies_int8, "fpu sse avx2 amx_int8 amx_tile", True),
+    (cpu_multiplies_int8, "fpu sse avx2 fma", False),
+])
+def test_what_the_cpu_multiplies_fast_is_read_from_its_flags(tmp_path: Path, reader: Callable[[str], bool],
+                                                              flags: str, found: bool) -> None:
     cpuinfo = tmp_path / "cpuinfo"
     cpuinfo.write_text(f"processor\t: 0\nmodel name\t: Some CPU\nflags\t\t: {flags}\n")
-    return str(cpuinfo)
-
-
-@pytest.mark.parametrize(("flags", "native"), [
-    ("fpu sse avx2 avx512f amx_bf16 amx_tile", True),
-    ("fpu sse avx2 avx512f avx512_bf16", False),
-    ("fpu sse avx2 avx512f", False),
-])
-def test_native_bfloat16_is_read_from_the_cpu_flags(tmp_path: Path, flags: str, native: bool) -> None:
-    assert cpu_has_native_bfloat16(cpuinfo_with(tmp_path, flags)) is native
-
-
-@pytest.mark.parametrize(("flags", "multiplies"), [
-    ("fpu sse avx2 avx512f amx_bf16 amx_tile", True),
-    ("fpu sse avx2 avx512f avx512_bf16", True),
-    ("fpu sse avx2 avx512f", False),
-])
-def test_bfloat16_dense_copies_are_a_candidate_where_the_cpu_has_bfloat16_dot_products(
-        tmp_path: Path, flags: str, multiplies: bool) -> None:
-    assert cpu_multiplies_bfloat16(cpuinfo_with(tmp_path, flags)) is multiplies
-
-
-@pytest.mark.parametrize(("flags", "multiplies"), [
-    ("fpu sse avx2 avx512f avx512_vnni", True),
-    ("fpu sse avx2 avx_vnni", True),
-    ("fpu sse avx2 amx_int8 amx_tile", True),
-    ("fpu sse avx2 fma", False),
-])
-def test_int8_copies_on_int_mm_are_a_candidate_where_the_cpu_has_int8_dot_products(
-        tmp_path: Path, flags: str, multiplies: bool) -> None:
-    assert cpu_multiplies_int8(cpuinfo_with(tmp_path, flags)) is multiplies
+    assert reader(str(cpuinfo)) is found
 
 
 def test_without_cpuinfo_there_is_no_native_bfloat16(tmp_path: Path) -> None:

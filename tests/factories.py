@@ -171,15 +171,21 @@ async def running(engine: Engine) -> AsyncIterator[Engine]:
         await engine.shutdown()
 
 
+STEP_POLL_S = 0.0002  # shorter than any step, long enough for the loop to block and let the runner run
+
+
 async def wait_until(predicate: Callable[[], bool], *, timeout: float = 10.0, interval: float = 0.001,
                      what: str = "the condition") -> None:
     """Poll predicate on the event loop until it holds; fail the test after timeout seconds.
-    interval 0 yields to the loop between checks, so no engine step goes by unobserved."""
+    interval 0 polls every STEP_POLL_S, so no engine step goes by unobserved: the loop checks while each
+    step computes. Not `sleep(0)`: a loop that never blocks takes the GIL back from the runner's thread
+    after each operator it runs, and on a 2-vCPU VM whose thread wake-ups are slow builtin:tiny's steps
+    took 2-2.5 s each instead of 20 ms (each operator waited out the switch interval)."""
     deadline = time.monotonic() + timeout
     while not predicate():
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        await asyncio.sleep(interval)
+        await asyncio.sleep(interval or STEP_POLL_S)
 
 
 async def collect(stream: RequestStream, timeout: float = 60.0) -> list[TokenEvent]:

@@ -152,6 +152,7 @@ class Scheduler:
         self._interactive_seen_by_tenant: dict[str, float] = {}  # when each tenant's interactive work last was
         self._tenants_share = False  # whether more than one tenant's interactive work is active or expected
         self._computing_long_prompts: set[str] = set()  # tenants computing a long interactive prompt, while shared
+        self._batch_served_more: frozenset[str] = frozenset()  # see _tenants_served_more
         self._streams_decoding = False  # whether this step decodes interactive requests (see _spaces_prompts)
         self._short_step = False  # whether this step's running work is predicted within the arrival budget
         self._prompt_started_step = -2  # the step that last started an interactive prompt that stalls streams
@@ -259,6 +260,7 @@ class Scheduler:
                            batch_floor_tokens=self._batch_reserve())
         made_room, interactive_demand = self._make_room_for_interactive(plan, step.tokens_left)
         ordered, num_interactive_decodes = self._running_in_order()
+        self._batch_served_more = self._tenants_served_more(ordered)
         after_admission = self._served_past_waiting_batch(ordered)
         if self._schedule_running(step, interactive_demand, ordered, num_interactive_decodes, after_admission):
             return None  # bringing work in right after pushing work out would only thrash
@@ -304,8 +306,9 @@ class Scheduler:
                 continue
             if len(drafts) < k:
                 k, added_s = self._draft_count(len(drafts), rate, seq, step, expected_tokens, predicted_s)
-            if step.shaped_time_left_s is not None:
-                k = k if added_s <= step.shaped_time_left_s else 0
+            time_left = self._draft_time_left(step, request)
+            if time_left is not None:
+                k = k if added_s <= time_left else 0
             k = self._room_for_drafts(request, k)
             if k <= 0:
                 continue
@@ -316,9 +319,19 @@ class Scheduler:
             step.num_tokens += k
             if step.shaped_time_left_s is not None:
                 step.shaped_time_left_s = max(0.0, step.shaped_time_left_s - added_s)
+            if step.served_more_time_left_s is not None and self._is_served_more(request):
+                step.served_more_time_left_s = max(0.0, step.served_more_time_left_s - added_s)
             if predicted_s is not None:
                 predicted_s += added_s
             expected_tokens += expected_accepted(rate, k)
+
+    def _draft_time_left(self, step: StepBuilder, request: Request) -> float | None:
+        """The time a request's proposals may add to the step: what shaping left, and for a tenant served
+        more, its share (see _tenants_served_more); None when nothing bounds it."""
+        shaped, served_more = step.shaped_time_left_s, step.served_more_time_left_s
+        if served_more is None or not self._is_served_more(request):
+            return shaped
+        return served_more if shaped is None else min(shaped, served_more)
 
     def _ask_for_proposals(self, plan: StepPlan, speculator: Speculator) -> None:
         """With a draft model: each sampled sequence that may speculate asks the runner for proposals for its
@@ -464,10 +477,16 @@ class Scheduler:
                 swap_in_blocks: int = 0) -> int:
         """num_new, or fewer when step shaping holds the request's work back (see step_shaper.py)."""
         long_prompt = self._is_shared_long_prompt(request, num_new)
-        if not (long_prompt or self.shaper.shapes(request)) or not self._may_shape():
+        served_more = self._is_served_more(request)
+        may_shape = (long_prompt or self.shaper.shapes(request)) and self._may_shape()
+        if not (may_shape or served_more):
             return num_new
-        self._open_shaped_budget(step, interactive_demand, request.priority)
-        return self.shaper.fit(step, request, num_new, swap_in_blocks, long_prompt, self._is_cross_tenant(request))
+        if may_shape:
+            self._open_shaped_budget(step, interactive_demand, request.priority)
+        if served_more:
+            self.shaper.open_served_more_budget(step)
+        return self.shaper.fit(step, request, num_new, swap_in_blocks, long_prompt, self._is_cross_tenant(request),
+                               served_more)
 
     def _is_cross_tenant(self, request: Request) -> bool:
         """Whether this is batch work beside another tenant's interactive requests (unfinished ones)."""
@@ -475,6 +494,27 @@ class Scheduler:
             return False
         tenants = self.load.backlogged(PriorityClass.INTERACTIVE)
         return len(tenants) > 1 or (len(tenants) == 1 and request.tenant_id not in tenants)
+
+    def _is_served_more(self, request: Request) -> bool:
+        return request.priority is PriorityClass.BATCH and request.tenant_id in self._batch_served_more
+
+    def _tenants_served_more(self, ordered: list[Request]) -> frozenset[str]:
+        """The tenants whose batch work this step holds to a share of the step (see
+        StepShaper.open_served_more_budget): those running more batch requests than the tenant its batch
+        queue has served least, and served more than it, while that tenant runs all it has (none waiting:
+        more rows cannot help it, shorter steps can). None under FCFS, or with one tenant's batch running,
+        or between tenants running as many rows each (their steps stay full)."""
+        if self.config.queue_policy != "vtc" or self.load.num_running(PriorityClass.BATCH) < 2:
+            return frozenset()
+        rows = Counter(r.tenant_id for r in ordered if r.priority is PriorityClass.BATCH)
+        if len(rows) < 2:
+            return frozenset()
+        vtc = self.vtc[PriorityClass.BATCH]
+        least = min(rows, key=vtc.get)
+        if least in self.waiting[PriorityClass.BATCH].tenants():
+            return frozenset()
+        served = vtc.get(least)
+        return frozenset(t for t, n in rows.items() if n > rows[least] and vtc.get(t) > served)
 
     def _schedule_running(self, step: StepBuilder, interactive_demand: InteractiveDemand, ordered: list[Request],
                           num_interactive_decodes: int, stop: int) -> bool:
@@ -502,7 +542,7 @@ class Scheduler:
         preempted = False
         held_for_interactive = min(interactive_demand.tokens, self.config.max_num_batched_tokens - reserve)
         chunk_cap = {c: self._chunk_cap(c) for c in CLASSES}
-        may_shape = self._may_shape()
+        may_shape = self._may_shape() or bool(self._batch_served_more)
         table_of, block_size = self.blocks.device_tables.get, self.geometry.block_size
         interactive, running = PriorityClass.INTERACTIVE, RequestStatus.RUNNING
         for index in range(start, stop):

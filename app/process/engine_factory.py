@@ -128,6 +128,7 @@ def shaping_config_of(settings: Settings) -> ShapingConfig:
                          interactive_itl_decodes=settings.interactive_itl_decodes,
                          interactive_batch_share=settings.interactive_batch_share,
                          interactive_itl_decodes_cross_tenant=settings.interactive_itl_decodes_cross_tenant,
+                         served_less_step_slack=settings.served_less_step_slack,
                          interactive_ttft_slack=settings.interactive_ttft_slack,
                          arrival_budget_s=None if arrival_ms is None else arrival_ms / 1000,
                          arrival_budget_decodes=settings.interactive_arrival_budget_decodes,

@@ -500,10 +500,11 @@ class Scheduler:
 
     def _tenants_served_more(self, ordered: list[Request]) -> frozenset[str]:
         """The tenants whose batch work this step holds to a share of the step (see
-        StepShaper.open_served_more_budget): those running more batch requests than the tenant its batch
-        queue has served least, and served more than it, while that tenant runs all it has (none waiting:
-        more rows cannot help it, shorter steps can). None under FCFS, or with one tenant's batch running,
-        or between tenants running as many rows each (their steps stay full)."""
+        StepShaper.open_served_more_budget): those running more batch requests than the running tenant its
+        batch queue has served least, and served more than it. That tenant's waiting requests are admitted
+        before their work (see _served_past_waiting_batch), and what it runs gains nothing from more rows
+        beside it, only from shorter steps. None under FCFS, or with one tenant's batch running, or between
+        tenants running as many rows each (their steps stay full)."""
         if self.config.queue_policy != "vtc" or self.load.num_running(PriorityClass.BATCH) < 2:
             return frozenset()
         rows = Counter(r.tenant_id for r in ordered if r.priority is PriorityClass.BATCH)
@@ -511,8 +512,6 @@ class Scheduler:
             return frozenset()
         vtc = self.vtc[PriorityClass.BATCH]
         least = min(rows, key=vtc.get)
-        if least in self.waiting[PriorityClass.BATCH].tenants():
-            return frozenset()
         served = vtc.get(least)
         return frozenset(t for t, n in rows.items() if n > rows[least] and vtc.get(t) > served)
 

@@ -278,10 +278,11 @@ class StepShaper:
 
     def open_served_more_budget(self, step: StepBuilder) -> None:
         """Once per step, when the batch work of the tenants served more than the one served least comes up
-        (all of that one's is in the step already: it has none waiting): the time theirs may add, a share of
-        the step so far. On a CPU a step's time grows with its rows, and a light tenant's last batch rows,
-        one token a step each, ran in the steps of a neighbour's 30: 0.5-0.9 s a token against 40 ms alone
-        (docs/loadtest.md). Where rows cost little (a GPU) the share is never reached, and nothing is held."""
+        (all of that one's is in the step already, see Scheduler._tenants_served_more): the time theirs may
+        add, a share of the step so far. On a CPU a step's time grows with its rows, and a light tenant's
+        last batch rows, one token a step each, ran in the steps of a neighbour's 30: 0.5-0.9 s a token
+        against 40 ms alone (docs/loadtest.md). Where rows cost little (a GPU) the share is never reached,
+        and nothing is held."""
         coefficients = self.cost_model.coefficients
         if step.served_more_time_left_s is not None or coefficients is None:
             return

@@ -541,7 +541,7 @@ class Scheduler:
         preempted = False
         held_for_interactive = min(interactive_demand.tokens, self.config.max_num_batched_tokens - reserve)
         chunk_cap = {c: self._chunk_cap(c) for c in CLASSES}
-        may_shape = self._may_shape() or bool(self._batch_served_more)
+        may_hold = self._may_shape() or bool(self._batch_served_more)  # shaping or a served-more share
         table_of, block_size = self.blocks.device_tables.get, self.geometry.block_size
         interactive, running = PriorityClass.INTERACTIVE, RequestStatus.RUNNING
         for index in range(start, stop):
@@ -555,7 +555,7 @@ class Scheduler:
                 num_new = cap
             if num_new > chunk_cap[request.priority]:
                 num_new = chunk_cap[request.priority]
-            if may_shape:
+            if may_hold:
                 num_new = self._shaped(step, request, num_new, interactive_demand)
             if num_new <= 0:
                 continue

@@ -149,8 +149,8 @@ class Settings(BaseModel):
     # step (or the slack's target, if higher), never carried over: one tenant's batch does not take another's
     # streams to interactive_itl_decodes (scheduling/step_shaper.py).
     interactive_itl_decodes_cross_tenant: float = Field(default=1.3, ge=0.0)
-    # A step holding all the batch work of the tenant its batch queue has served least (none of its batch
-    # waits): other tenants running more batch rows may lengthen it to this x its time so far, no more.
+    # A step holding the batch work of the running tenant its batch queue has served least: other tenants
+    # running more batch rows may lengthen it to this x its time so far, no more.
     served_less_step_slack: float = Field(default=1.3, ge=1.0)
     interactive_ttft_slack: float = Field(default=1.0, ge=1.0)  # a step with an interactive prompt: this x its time
     # While interactive requests may arrive (one was unfinished in the last arrival_window_s seconds; unset:

@@ -71,7 +71,7 @@ class ShapingConfig:
     interactive_itl_decodes: float = 2.0  # and at least this times a lone decode step's measured time,
     interactive_batch_share: float = 0.35  # and at least the streams' own work / (1 - this): batch's share of time
     interactive_itl_decodes_cross_tenant: float = 1.3  # the same, per step, for batch work of another tenant
-    served_less_step_slack: float = 1.3  # a step with all a less-served tenant's batch: others' may grow it this much
+    served_less_step_slack: float = 1.3  # others' batch may grow a step of the least-served tenant's by this much
     interactive_ttft_slack: float = 1.0  # a step starting an interactive prompt: this times its interactive work
     arrival_budget_s: float | None = None  # a fixed arrival budget; None derives it as below
     arrival_budget_decodes: float = 4.0  # the derived budget: this times a lone decode step's measured time
@@ -277,26 +277,25 @@ class StepShaper:
         self._steps_since_spent = 0 if gap_s > target else self._steps_since_spent + 1
 
     def open_served_more_budget(self, step: StepBuilder) -> None:
-        """Once per step, when the batch work of the tenants served more than the one served least comes up
-        (all of that one's is in the step already, see Scheduler._tenants_served_more): the time theirs may
-        add, a share of the step so far. On a CPU a step's time grows with its rows, and a light tenant's
-        last batch rows, one token a step each, ran in the steps of a neighbour's 30: 0.5-0.9 s a token
-        against 40 ms alone (docs/loadtest.md). Where rows cost little (a GPU) the share is never reached,
-        and nothing is held."""
-        coefficients = self.cost_model.coefficients
-        if step.served_more_time_left_s is not None or coefficients is None:
+        """Once per step, when the batch work of the tenants served more than the running one served least
+        comes up (that one's work, its waiting requests admitted first, is in the step already, see
+        Scheduler._tenants_served_more): the time theirs may add, a share of the step so far. On a CPU a
+        step's time grows with its rows, and a light tenant's last batch rows, one token a step each, ran in
+        the steps of a neighbour's 30: 0.5-0.9 s a token against 40 ms alone (docs/loadtest.md). Where rows
+        cost little (a GPU) the share is never reached, and nothing is held."""
+        if step.served_more_time_left_s is not None:
             return
-        work = work_of(step.plan, swaps=False)
-        predicted = coefficients.predict(work) + self.cost_model.residual(work.tokens)
-        step.served_more_time_left_s = max(0.0, (self.config.served_less_step_slack - 1.0) * predicted)
+        predicted = self.cost_model.predict(work_of(step.plan, swaps=False))
+        if predicted is not None:
+            step.served_more_time_left_s = max(0.0, (self.config.served_less_step_slack - 1.0) * predicted)
 
     def fit(self, step: StepBuilder, request: Request, wanted: int, swap_in_blocks: int = 0,
             long_prompt: bool = False, cross_tenant: bool = False, served_more: bool = False) -> int:
         """How many of the wanted tokens the request may compute in this step, and take their time. A
         tenant's `long_prompt` takes only in its turn, from the time turns have (see open_budget); a
         `cross_tenant` request (batch work beside another tenant's interactive requests) only from the time
-        left under the cross-tenant target; a `served_more` one (batch work of a tenant served more than one
-        whose batch work is all in the step) only from what open_served_more_budget left."""
+        left under the cross-tenant target; a `served_more` one (batch work of a tenant served more than the
+        running one served least, see open_served_more_budget) only from what that left."""
         coefficients, shaped_left = self.cost_model.coefficients, step.shaped_time_left_s
         served_more_left = step.served_more_time_left_s if served_more else None
         if shaped_left is None and served_more_left is not None:

@@ -151,6 +151,8 @@ class Scheduler:
         self._arrivals_expected = False
         self._interactive_seen_by_tenant: dict[str, float] = {}  # when each tenant's interactive work last was
         self._tenants_share = False  # whether more than one tenant's interactive work is active or expected
+        self._work_seen_by_tenant: dict[str, float] = {}  # when each tenant last had unfinished work of any class
+        self._tenants_present: set[str] = set()  # those within long_prompt_chunk_window_s (see long_prompt_chunk)
         self._computing_long_prompts: set[str] = set()  # tenants computing a long interactive prompt, while shared
         self._batch_served_more: frozenset[str] = frozenset()  # see _tenants_served_more
         self._streams_decoding = False  # whether this step decodes interactive requests (see _spaces_prompts)
@@ -442,10 +444,23 @@ class Scheduler:
             for tenant_id in [t for t, at in seen.items() if not self.shaper.expects_arrivals(now - at)]:
                 del seen[tenant_id]
         self._tenants_share = len(seen) > 1
+        self._note_tenants_present(now)
         self._computing_long_prompts = {
             r.tenant_id for r in self.running if r.priority is PriorityClass.INTERACTIVE
             and r.num_computed_tokens < r.num_prompt_tokens and self.shaper.is_long_prompt(r)
         } if self._tenants_share else set()
+
+    def _note_tenants_present(self, now: float) -> None:
+        """The tenants that had unfinished work of any class within long_prompt_chunk_window_s."""
+        seen = self._work_seen_by_tenant
+        for priority in CLASSES:
+            for tenant_id in self.load.backlogged(priority):
+                seen[tenant_id] = now
+        window = self.shaper.config.long_prompt_chunk_window_s
+        if len(seen) > 1:
+            for tenant_id in [t for t, at in seen.items() if now - at > window]:
+                del seen[tenant_id]
+        self._tenants_present = set(seen)
 
     def _waits_its_turn(self, request: Request, num_new: int, step: StepBuilder) -> bool:
         """Whether a request did not start because it is a tenant's long prompt whose turn this step is not."""
@@ -476,6 +491,8 @@ class Scheduler:
     def _shaped(self, step: StepBuilder, request: Request, num_new: int, interactive_demand: InteractiveDemand,
                 swap_in_blocks: int = 0) -> int:
         """num_new, or fewer when step shaping holds the request's work back (see step_shaper.py)."""
+        if self._is_long_prompt_beside_others(request, num_new):
+            num_new = self.shaper.long_prompt_chunk(step, request, num_new, interactive_demand.work)
         long_prompt = self._is_shared_long_prompt(request, num_new)
         served_more = self._is_served_more(request)
         may_shape = (long_prompt or self.shaper.shapes(request)) and self._may_shape()
@@ -487,6 +504,16 @@ class Scheduler:
             self.shaper.open_served_more_budget(step)
         return self.shaper.fit(step, request, num_new, swap_in_blocks, long_prompt, self._is_cross_tenant(request),
                                served_more)
+
+    def _is_long_prompt_beside_others(self, request: Request, num_new: int) -> bool:
+        """Whether this is a chunk of a long interactive prompt while other tenants use the server: another
+        tenant had unfinished work, of any class, within long_prompt_chunk_window_s. Its steps are kept short
+        (StepShaper.long_prompt_chunk), for their requests may arrive at any moment. One tenant alone loses
+        nothing to chunks: its long prompt only holds up its own requests."""
+        if not (num_new > 1 and request.priority is PriorityClass.INTERACTIVE and self.shaper.is_long_prompt(request)):
+            return False
+        present = self._tenants_present
+        return len(present) > 1 or (bool(present) and request.tenant_id not in present)
 
     def _is_cross_tenant(self, request: Request) -> bool:
         """Whether this is batch work beside another tenant's interactive requests (unfinished ones)."""
@@ -555,7 +582,7 @@ class Scheduler:
                 num_new = cap
             if num_new > chunk_cap[request.priority]:
                 num_new = chunk_cap[request.priority]
-            if may_hold:
+            if may_hold or (num_new > 1 and request.priority is interactive):  # shaping, or a long prompt's chunk
                 num_new = self._shaped(step, request, num_new, interactive_demand)
             if num_new <= 0:
                 continue

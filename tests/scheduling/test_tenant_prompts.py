@@ -1,7 +1,8 @@
 """One tenant's long prompts beside another tenant's streams, on the simulated executor: while more than
 one tenant's interactive work is active or may arrive, a long prompt is shaped (step_shaper.py), so the
 other tenant's decode steps hold at most a block of it, its arriving prompt is in the next step, and the
-long prompts still progress. One tenant alone is not shaped."""
+long prompts still progress; while other tenants share the server, no long prompt (of the tenant served
+least either) is computed in one long step. One tenant alone is not shaped."""
 
 from __future__ import annotations
 
@@ -56,6 +57,11 @@ class TwoTenants:
         budget = self.scheduler.shaper.arrival_budget_s()
         assert budget is not None
         return budget
+
+
+def chunk_step_s(sim: TwoTenants) -> float:
+    """The longest step a long prompt's chunk may make (StepShaper.long_prompt_chunk)."""
+    return ShapingConfig().long_prompt_chunk_budgets * sim.arrival_budget_s
 
 
 def tokens_of(plan: StepPlan, requests: list[Request]) -> int:
@@ -134,14 +140,58 @@ def test_one_tenant_alone_is_not_shaped() -> None:
 
 
 def test_a_tenant_quiet_for_the_arrival_window_no_longer_shares_the_steps() -> None:
+    """The neighbour's long prompt takes no turns once the light tenant has been quiet for the arrival
+    window: a chunk in every step, each step short while the light tenant may still come back."""
     sim = TwoTenants(ShapingConfig(arrival_window_s=2.0))
     first = sim.add(40, 4, "light")
     while not first.status.is_finished:
         sim.step()
     sim.clock.now += 2.5  # the light tenant has been quiet for longer than the window
     sim.keep_a_long_prompt_coming()
+    prompt = sim.neighbour_prompts[0]
+    for _ in range(20):
+        plan, seconds = sim.step()
+        assert tokens_of(plan, [prompt]) > 0 and seconds <= chunk_step_s(sim) * 1.05
+        if prompt.status.is_finished:
+            break
+    assert prompt.status.is_finished
+
+
+def test_a_tenant_gone_for_the_chunk_window_leaves_long_prompts_whole() -> None:
+    sim = TwoTenants(ShapingConfig(arrival_window_s=2.0, long_prompt_chunk_window_s=5.0))
+    first = sim.add(40, 4, "light")
+    while not first.status.is_finished:
+        sim.step()
+    sim.clock.now += 6.0  # nothing of the light tenant's for longer than the chunk window
+    sim.keep_a_long_prompt_coming()
     plan, _ = sim.step()
     assert tokens_of(plan, sim.neighbour_prompts) == LONG_PROMPT
+
+
+def test_a_chat_arriving_during_a_long_prompt_waits_for_a_chunk_not_the_prompt() -> None:
+    """No chat of the light tenant's was seen within the arrival window, but its batch runs: its chats may
+    follow. The neighbour's 2,000-token prompt is not held to turns, but it is computed in chunks (in one
+    step it would take 2 s), and the light tenant's chat arriving meanwhile has its first token after one
+    more step."""
+    sim = TwoTenants(ShapingConfig(arrival_window_s=2.0))
+    first = sim.add(40, 4, "light")
+    while not first.status.is_finished:
+        sim.step()
+    sim.clock.now += 2.5
+    sim.scheduler.add_request(make_request(40, 4000, priority=PriorityClass.BATCH, tenant_id="light"))
+    document = sim.add(2000, 1, "neighbour")
+    _, first_chunk_s = sim.step()
+    assert 0 < document.num_computed_tokens < 2000
+    assert first_chunk_s <= chunk_step_s(sim) * 1.05
+    chat = sim.add(40, 4, "light")
+    _, seconds = sim.step()
+    assert chat.num_output_tokens == 1
+    assert seconds <= chunk_step_s(sim) * 1.05
+    for _ in range(200):  # now served more than the streaming light tenant: in its turns
+        if document.status.is_finished:
+            break
+        sim.step()
+    assert document.status.is_finished
 
 
 def test_a_long_prompt_waiting_for_its_turn_holds_no_other_tenants_prompt_back() -> None:
@@ -175,8 +225,8 @@ def test_prompts_arriving_in_every_step_do_not_starve_a_long_prompt() -> None:
 
 
 def test_the_tenant_served_least_is_not_held_back() -> None:
-    """Both tenants stream and send long prompts: the one whose VTC counter is lower computes its long
-    prompt whole beside the other's streams, the other's waits for its turns. Held back by service, not
+    """Both tenants stream and send long prompts: the one whose VTC counter is lower computes a chunk of
+    its long prompt beside the other's streams at once, the other's waits for its turns. Held back by service, not
     every tenant's long prompts one step in four."""
     sim = TwoTenants()
     streams = [sim.add(40, 400, tenant) for tenant in ("light", "neighbour")]
@@ -184,8 +234,9 @@ def test_the_tenant_served_least_is_not_held_back() -> None:
         sim.step()
     sim.scheduler.vtc[INTERACTIVE].charge("neighbour", 10_000, 0)
     served_least, served_more = sim.add(LONG_PROMPT, 1, "light"), sim.add(LONG_PROMPT, 1, "neighbour")
-    plan, _ = sim.step()
-    assert tokens_of(plan, [served_least]) == LONG_PROMPT and tokens_of(plan, [served_more]) == 0
+    plan, seconds = sim.step()
+    assert 0 < tokens_of(plan, [served_least]) < LONG_PROMPT and tokens_of(plan, [served_more]) == 0
+    assert seconds <= chunk_step_s(sim) * 1.05  # in chunks: the other tenant's arriving prompt waits for one
     assert all(not s.status.is_finished for s in streams)
 
 

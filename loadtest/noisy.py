@@ -19,11 +19,13 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import multiprocessing
 import random
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
@@ -104,6 +106,9 @@ class Phase:
         self.result = PhaseResult(name)
         self._start = time.perf_counter()
 
+    def reset_clock(self) -> None:
+        self._start = time.perf_counter()
+
     def now(self) -> float:
         return time.perf_counter() - self._start
 
@@ -134,13 +139,17 @@ class Phase:
 
 async def run_noisy(config: NoisyConfig) -> NoisyResult:
     config.check()
-    timeout = httpx.Timeout(config.request_timeout_s, connect=10.0)
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
-    async with httpx.AsyncClient(base_url=config.url, timeout=timeout, limits=limits) as http:
+    async with _client(config) as http:
         model = await served_model(http, config.light)
         await _warm_up(config, http, model)
         phases = [await _run_phase(config, http, model, ALONE), await _run_phase(config, http, model, NEIGHBOUR)]
     return NoisyResult(config, model, phases)
+
+
+def _client(config: NoisyConfig) -> httpx.AsyncClient:
+    timeout = httpx.Timeout(config.request_timeout_s, connect=10.0)
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+    return httpx.AsyncClient(base_url=config.url, timeout=timeout, limits=limits)
 
 
 async def _warm_up(config: NoisyConfig, http: httpx.AsyncClient, model: str) -> None:
@@ -152,21 +161,73 @@ async def _warm_up(config: NoisyConfig, http: httpx.AsyncClient, model: str) -> 
 
 
 async def _run_phase(config: NoisyConfig, http: httpx.AsyncClient, model: str, name: str) -> PhaseResult:
+    """The light tenant's traffic, beside the neighbour's abuses in the second phase. The neighbour runs in
+    a process of its own, as another tenant's client would: building its bodies (a 50,000-item JSON
+    document, 16 MiB uploads) on this event loop held the light tenant's streams unread, and its gaps read
+    the client's stalls as the server's."""
     phase = Phase(config, http, model, name)
     rng = random.Random(f"{config.seed}/noisy")  # the light tenant's traffic is the same in both phases
     light = [phase.light_batch(rng), *(phase.light_chats(random.Random(f"{config.seed}/chat/{i}"))
                                        for i in range(config.light_clients))]
-    neighbour = Neighbour(phase).abuses() if name == NEIGHBOUR else []
-    neighbour_tasks = [asyncio.create_task(abuse) for abuse in neighbour]
-    await asyncio.gather(*light)
-    # The light tenant is done, and the phase closed: each looping abuse ends with the answer it waits
-    # for (a heavy body's, prepared at a low priority, can take seconds on a busy 2-core machine), and
-    # what is still running after ABUSE_GRACE_S (the large batch, most likely) is cancelled.
-    if neighbour_tasks:
-        await asyncio.wait(neighbour_tasks, timeout=ABUSE_GRACE_S)
-    for task in neighbour_tasks:
-        task.cancel()
-    await asyncio.gather(*neighbour_tasks, return_exceptions=True)
+    if name != NEIGHBOUR:
+        await asyncio.gather(*light)
+        return phase.result
+    with NeighbourProcess(config, model) as neighbour:
+        await neighbour.started()
+        phase.reset_clock()
+        await asyncio.gather(*light)
+        abuses, server_errors = await neighbour.result()
+    phase.result.abuses.update(abuses)
+    phase.result.server_errors.extend(server_errors)
+    return phase.result
+
+
+class NeighbourProcess:
+    """The neighbour's abuses in a spawned process; `started` once its client is ready and its phase has
+    begun, `result` (what each abuse got back, and every 5xx) once told the light tenant is done."""
+
+    def __init__(self, config: NoisyConfig, model: str) -> None:
+        context = multiprocessing.get_context("spawn")
+        self._conn, child = context.Pipe()
+        self._process = context.Process(target=_neighbour_main, args=(config, model, child), daemon=True)
+
+    def __enter__(self) -> NeighbourProcess:
+        self._process.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._process.join(timeout=ABUSE_GRACE_S)
+        if self._process.is_alive():
+            self._process.kill()
+
+    async def started(self) -> None:
+        await asyncio.to_thread(self._conn.recv)
+
+    async def result(self) -> tuple[dict[str, Counter[str]], list[str]]:
+        self._conn.send("stop")
+        abuses, server_errors = await asyncio.to_thread(self._conn.recv)
+        return abuses, server_errors
+
+
+def _neighbour_main(config: NoisyConfig, model: str, conn: Connection) -> None:
+    result = asyncio.run(_run_neighbour(config, model, conn))
+    conn.send((result.abuses, result.server_errors))
+
+
+async def _run_neighbour(config: NoisyConfig, model: str, conn: Connection) -> PhaseResult:
+    """Every abuse until the phase closes and the light tenant is done (told by "stop"): each looping abuse
+    ends with the answer it waits for (a heavy body's, prepared at a low priority, can take seconds on a
+    busy 2-core machine), and what is still running after ABUSE_GRACE_S (the large batch, most likely) is
+    cancelled."""
+    async with _client(config) as http:
+        phase = Phase(config, http, model, NEIGHBOUR)
+        tasks = [asyncio.create_task(abuse) for abuse in Neighbour(phase).abuses()]
+        conn.send("started")
+        await asyncio.to_thread(conn.recv)
+        await asyncio.wait(tasks, timeout=ABUSE_GRACE_S)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
     return phase.result
 
 

@@ -506,14 +506,19 @@ class Scheduler:
                                served_more)
 
     def _is_long_prompt_beside_others(self, request: Request, num_new: int) -> bool:
-        """Whether this is a chunk of a long interactive prompt while other tenants use the server: another
-        tenant had unfinished work, of any class, within long_prompt_chunk_window_s. Its steps are kept short
-        (StepShaper.long_prompt_chunk), for their requests may arrive at any moment. One tenant alone loses
-        nothing to chunks: its long prompt only holds up its own requests."""
+        """Whether this is a chunk of a long interactive prompt while other tenants use the server (one had
+        unfinished work, of any class, within long_prompt_chunk_window_s) and none computes a long prompt of
+        its own. Its steps are kept short (StepShaper.long_prompt_chunk), for the others' requests may
+        arrive at any moment. One tenant alone loses nothing to chunks: its long prompt only holds up its
+        own requests. Nor do tenants that all send long prompts: their steps are long already, and on the
+        mixed-length trace past capacity chunks cost the line its throughput (TTFT p50 18 s against 39 s
+        with chunks, docs/loadtest.md)."""
         if not (num_new > 1 and request.priority is PriorityClass.INTERACTIVE and self.shaper.is_long_prompt(request)):
             return False
-        present = self._tenants_present
-        return len(present) > 1 or (bool(present) and request.tenant_id not in present)
+        tenant_id, present = request.tenant_id, self._tenants_present
+        if not (len(present) > 1 or (present and tenant_id not in present)):
+            return False
+        return not any(t != tenant_id for t in self._computing_long_prompts)
 
     def _is_cross_tenant(self, request: Request) -> bool:
         """Whether this is batch work beside another tenant's interactive requests (unfinished ones)."""

@@ -41,9 +41,10 @@ queue. On a CPU a few prompt tokens in every step would cost the streams more: a
 a decode are its dearest. It is how vLLM's `long_prefill_token_threshold` lets short prompts through
 beside long ones, drawn between tenants. One tenant alone is not shaped: its long prompt only waits for
 its own work. While another tenant used the server within `long_prompt_chunk_window_s` (work of any class
-unfinished), every long interactive prompt, held to turns or not, is computed in chunks whose steps are
-predicted within `long_prompt_chunk_budgets` arrival budgets (`long_prompt_chunk`): the other tenant's
-request arriving meanwhile waits for a chunk, not for the whole prompt.
+unfinished) and computes no long prompt of its own, every long interactive prompt, held to turns or not,
+is computed in chunks whose steps are predicted within `long_prompt_chunk_budgets` arrival budgets
+(`long_prompt_chunk`): the other tenant's request arriving meanwhile waits for a chunk, not for the whole
+prompt.
 
 The arrival budget: an interactive request that arrives while a step runs waits for that step to end, so
 while interactive traffic may arrive (some was unfinished within `arrival_window_s`, or always), no step

@@ -163,9 +163,10 @@ class Settings(BaseModel):
     # prompt longer than this (and predicted past the arrival budget) are shaped: one tenant's long prompts
     # do not lengthen the steps another tenant's streams decode in.
     interactive_long_prompt_tokens: int = Field(default=256, ge=1)
-    # While another tenant had unfinished work (any class) in the last long_prompt_chunk_window_s, a long
-    # interactive prompt is computed in chunks whose steps are predicted within this many arrival budgets:
-    # that tenant's request arriving meanwhile waits for a chunk, not the whole prompt.
+    # While another tenant had unfinished work (any class) in the last long_prompt_chunk_window_s and
+    # computes no long prompt of its own, a long interactive prompt is computed in chunks whose steps are
+    # predicted within this many arrival budgets: that tenant's request arriving meanwhile waits for a
+    # chunk, not the whole prompt.
     interactive_long_prompt_chunk_budgets: float = Field(default=4.0, ge=1.0)
     interactive_long_prompt_chunk_window_s: float = Field(default=60.0, ge=0)
     enable_prefix_caching: bool = True

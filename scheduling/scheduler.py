@@ -511,8 +511,8 @@ class Scheduler:
         its own. Its steps are kept short (StepShaper.long_prompt_chunk), for the others' requests may
         arrive at any moment. One tenant alone loses nothing to chunks: its long prompt only holds up its
         own requests. Nor do tenants that all send long prompts: their steps are long already, and on the
-        mixed-length trace past capacity chunks cost the line its throughput (TTFT p50 18 s against 39 s
-        with chunks, docs/loadtest.md)."""
+        mixed-length trace past capacity chunks for everyone read a TTFT p50 of 39 s against 18 s without
+        (one run each, docs/loadtest.md)."""
         if not (num_new > 1 and request.priority is PriorityClass.INTERACTIVE and self.shaper.is_long_prompt(request)):
             return False
         tenant_id, present = request.tenant_id, self._tenants_present

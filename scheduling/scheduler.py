@@ -151,8 +151,9 @@ class Scheduler:
         self._arrivals_expected = False
         self._interactive_seen_by_tenant: dict[str, float] = {}  # when each tenant's interactive work last was
         self._tenants_share = False  # whether more than one tenant's interactive work is active or expected
-        self._work_seen_by_tenant: dict[str, float] = {}  # when each tenant last had unfinished work of any class
-        self._tenants_present: set[str] = set()  # those within long_prompt_chunk_window_s (see long_prompt_chunk)
+        # When each tenant within long_prompt_chunk_window_s last had unfinished work of any class: the tenants
+        # present (see _is_long_prompt_beside_others).
+        self._work_seen_by_tenant: dict[str, float] = {}
         self._computing_long_prompts: set[str] = set()  # tenants computing a long interactive prompt, while shared
         self._batch_served_more: frozenset[str] = frozenset()  # see _tenants_served_more
         self._streams_decoding = False  # whether this step decodes interactive requests (see _spaces_prompts)
@@ -451,7 +452,7 @@ class Scheduler:
         } if self._tenants_share else set()
 
     def _note_tenants_present(self, now: float) -> None:
-        """The tenants that had unfinished work of any class within long_prompt_chunk_window_s."""
+        """Keep the tenants that had unfinished work of any class within long_prompt_chunk_window_s."""
         seen = self._work_seen_by_tenant
         for priority in CLASSES:
             for tenant_id in self.load.backlogged(priority):
@@ -460,7 +461,6 @@ class Scheduler:
         if len(seen) > 1:
             for tenant_id in [t for t, at in seen.items() if now - at > window]:
                 del seen[tenant_id]
-        self._tenants_present = set(seen)
 
     def _waits_its_turn(self, request: Request, num_new: int, step: StepBuilder) -> bool:
         """Whether a request did not start because it is a tenant's long prompt whose turn this step is not."""
@@ -515,7 +515,7 @@ class Scheduler:
         (one run each, docs/loadtest.md)."""
         if not (num_new > 1 and request.priority is PriorityClass.INTERACTIVE and self.shaper.is_long_prompt(request)):
             return False
-        tenant_id, present = request.tenant_id, self._tenants_present
+        tenant_id, present = request.tenant_id, self._work_seen_by_tenant
         if not (len(present) > 1 or (present and tenant_id not in present)):
             return False
         return not any(t != tenant_id for t in self._computing_long_prompts)

@@ -439,28 +439,15 @@ class Scheduler:
             self._interactive_seen_at = now
         self._arrivals_expected = self.shaper.expects_arrivals(now - self._interactive_seen_at)
         seen = self._interactive_seen_by_tenant
-        for tenant_id in self.load.backlogged(PriorityClass.INTERACTIVE):
-            seen[tenant_id] = now
-        if len(seen) > 1:
-            for tenant_id in [t for t, at in seen.items() if not self.shaper.expects_arrivals(now - at)]:
-                del seen[tenant_id]
+        _date_tenants(seen, self.load.backlogged(PriorityClass.INTERACTIVE), now, self.shaper.expects_arrivals)
         self._tenants_share = len(seen) > 1
-        self._note_tenants_present(now)
+        chunk_window_s = self.shaper.config.long_prompt_chunk_window_s
+        _date_tenants(self._work_seen_by_tenant, (t for c in CLASSES for t in self.load.backlogged(c)), now,
+                      lambda seconds: seconds <= chunk_window_s)
         self._computing_long_prompts = {
             r.tenant_id for r in self.running if r.priority is PriorityClass.INTERACTIVE
             and r.num_computed_tokens < r.num_prompt_tokens and self.shaper.is_long_prompt(r)
         } if self._tenants_share else set()
-
-    def _note_tenants_present(self, now: float) -> None:
-        """Keep the tenants that had unfinished work of any class within long_prompt_chunk_window_s."""
-        seen = self._work_seen_by_tenant
-        for priority in CLASSES:
-            for tenant_id in self.load.backlogged(priority):
-                seen[tenant_id] = now
-        window = self.shaper.config.long_prompt_chunk_window_s
-        if len(seen) > 1:
-            for tenant_id in [t for t, at in seen.items() if now - at > window]:
-                del seen[tenant_id]
 
     def _waits_its_turn(self, request: Request, num_new: int, step: StepBuilder) -> bool:
         """Whether a request did not start because it is a tenant's long prompt whose turn this step is not."""
@@ -475,8 +462,7 @@ class Scheduler:
         prompts VTC shares the steps (turns by service had the mixed-length trace's documents wait twice as
         long, docs/loadtest.md). Ties are held back: a tenant newly backlogged is lifted to the others'
         counters."""
-        if not (num_new > 1 and self._tenants_share and request.priority is PriorityClass.INTERACTIVE
-                and self.shaper.is_long_prompt(request)):
+        if not (self._tenants_share and self._is_long_prompt_chunk(request, num_new)):
             return False
         vtc = self.vtc[PriorityClass.INTERACTIVE]
         counter = vtc.get(request.tenant_id)
@@ -505,6 +491,9 @@ class Scheduler:
         return self.shaper.fit(step, request, num_new, swap_in_blocks, long_prompt, self._is_cross_tenant(request),
                                served_more)
 
+    def _is_long_prompt_chunk(self, request: Request, num_new: int) -> bool:
+        return num_new > 1 and request.priority is PriorityClass.INTERACTIVE and self.shaper.is_long_prompt(request)
+
     def _is_long_prompt_beside_others(self, request: Request, num_new: int) -> bool:
         """Whether this is a chunk of a long interactive prompt while other tenants use the server (one had
         unfinished work, of any class, within long_prompt_chunk_window_s) and none computes a long prompt of
@@ -513,7 +502,7 @@ class Scheduler:
         own requests. Nor do tenants that all send long prompts: their steps are long already, and on the
         mixed-length trace past capacity chunks for everyone read a TTFT p50 of 39 s against 18 s without
         (one run each, docs/loadtest.md)."""
-        if not (num_new > 1 and request.priority is PriorityClass.INTERACTIVE and self.shaper.is_long_prompt(request)):
+        if not self._is_long_prompt_chunk(request, num_new):
             return False
         tenant_id, present = request.tenant_id, self._work_seen_by_tenant
         if not (len(present) > 1 or (present and tenant_id not in present)):
@@ -1122,3 +1111,14 @@ class Scheduler:
         return StepCostStats(model.last_predicted_s, model.last_measured_s, model.median_error, coefficients,
                              counters.shaped_steps, counters.batch_tokens_deferred, counters.itl_target_missed_steps,
                              counters.long_prompt_tokens_deferred)
+
+
+def _date_tenants(seen: dict[str, float], tenants: Iterable[str], now: float,
+                  is_recent: Callable[[float], bool]) -> None:
+    """Date these tenants now in `seen`, and forget those whose date is no longer recent. A tenant dated
+    alone is kept whatever its date: whether it is gone is decided once another tenant comes."""
+    for tenant_id in tenants:
+        seen[tenant_id] = now
+    if len(seen) > 1:
+        for tenant_id in [t for t, at in seen.items() if not is_recent(now - at)]:
+            del seen[tenant_id]

@@ -101,7 +101,8 @@ def mixed_parser() -> argparse.ArgumentParser:
     _common(p, "mixed")
     p.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals")
     p.add_argument("--load", type=float, default=1.3, help="times the server's capacity")
-    p.add_argument("--tokens-per-s", type=float, default=550.0, help="the server's capacity, prompt and output")
+    p.add_argument("--tokens-per-s", type=float, default=None,
+                   help="the server's capacity, prompt and output tokens; default: --against's, else measured")
     p.add_argument("--label", default="", help="what the server ran with, for the report")
     p.add_argument("--scale", type=float, default=1.0, help="every length times this")
     p.add_argument("--against", help="an earlier run's report.json to compare with")
@@ -175,9 +176,11 @@ def _latency(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
 
 def _mixed(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     tenants, _ = tenants_of(args.tenants)
-    config = MixedConfig(args.url.rstrip("/"), tenants, args.duration, args.load, args.tokens_per_s, args.seed,
-                         args.label, args.scale)
     against = json.loads(Path(args.against).read_text()) if args.against else None
+    tokens_per_s = args.tokens_per_s if args.tokens_per_s is not None or against is None else \
+        against["config"]["tokens_per_s"]
+    config = MixedConfig(args.url.rstrip("/"), tenants, args.duration, args.load, tokens_per_s, args.seed,
+                         args.label, args.scale)
     load_before = os.getloadavg()[0]
     result = asyncio.run(run_mixed(config))
     report = build_mixed_report(result, (load_before, os.getloadavg()[0]), against)

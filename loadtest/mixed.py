@@ -6,6 +6,12 @@ tokens), and one request in twenty a 4,000-token document. The rate offers `load
 computing `tokens_per_s` prompt and output tokens a second serves, so past capacity the backlog grows until
 the arrivals stop; then it drains. Every request is sent at its time, whatever the others do (open loop).
 
+The capacity is the server's, measured before the trace unless given: a figure from one CPU offers another
+CPU a different load (a trace sized for 550 tokens a second is three times past capacity on a slower one,
+and its backlog then decides every figure). The measurement sends requests of the trace's mean lengths,
+all at once and split between the tenants, and divides their tokens by the time the last one took. A run
+`--against` an earlier report takes that report's capacity: two runs compare only on the same trace.
+
 The report: mean and p99 TTFT, the p99 TTFT of the longest prompt bucket (the documents), and Jain's
 index of the two tenants' service (prompt tokens at their first token, a token per content chunk) over
 the time both had requests in flight. Run it once per server setting (say `--queue-order fcfs`, then
@@ -18,7 +24,7 @@ import asyncio
 import math
 import random
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +38,7 @@ from loadtest.workload import INTERACTIVE, ChatRequest, LoadTenant, prompt_text
 DOCUMENT_TOKENS = 4000
 LONG_BUCKET = 2048  # prompts at least this long are the longest bucket
 TOKENS_PER_WORD = 1.3  # of the filler text, with the default model's tokenizer (about)
+CALIBRATION_REQUESTS = 8  # sent at once to measure the server's capacity: the trace's backlog batches too
 
 
 @dataclass(slots=True, frozen=True)
@@ -78,7 +85,7 @@ class MixedConfig:
     tenants: tuple[LoadTenant, ...]
     duration_s: float = 60.0
     load: float = 1.3
-    tokens_per_s: float = 550.0  # the default model's line on a 2-vCPU AVX2 EPYC: 1.8 ms a token
+    tokens_per_s: float | None = None  # the server's capacity; None: measured before the trace
     seed: int = 0
     label: str = ""  # what the server ran with (its --queue-order, say): written into the report
     scale: float = 1.0  # every length times this (a quick check on a small model)
@@ -87,7 +94,7 @@ class MixedConfig:
     def check(self) -> None:
         if len(self.tenants) < 2:
             raise ValueError("the mixed run needs a tenants file with two tenants")
-        if self.duration_s <= 0 or self.load <= 0 or self.tokens_per_s <= 0:
+        if self.duration_s <= 0 or self.load <= 0 or (self.tokens_per_s is not None and self.tokens_per_s <= 0):
             raise ValueError("duration, load and tokens per second must be positive")
 
 
@@ -100,19 +107,22 @@ class Sent:
 
 @dataclass(slots=True)
 class MixedResult:
-    config: MixedConfig
+    config: MixedConfig  # tokens_per_s set: given, or measured (then also in measured_tokens_per_s)
     sent: list[Sent] = field(default_factory=list)
+    measured_tokens_per_s: float | None = None
 
 
 async def run_mixed(config: MixedConfig) -> MixedResult:
     config.check()
-    trace = poisson_trace(config.duration_s, config.seed, config.load, 1.0 / config.tokens_per_s,
-                          scale=config.scale)
-    result = MixedResult(config)
-    limits = httpx.Limits(max_connections=len(trace) + 8)
-    async with httpx.AsyncClient(base_url=config.url, timeout=httpx.Timeout(config.request_timeout_s),
-                                 limits=limits) as http:
+    timeout, limits = httpx.Timeout(config.request_timeout_s), httpx.Limits(max_connections=None)
+    async with httpx.AsyncClient(base_url=config.url, timeout=timeout, limits=limits) as http:
         model = await served_model(http, config.tenants[0])
+        measured = None if config.tokens_per_s is not None else await measure_tokens_per_s(http, model, config)
+        config = replace(config, tokens_per_s=config.tokens_per_s or measured)
+        assert config.tokens_per_s is not None
+        trace = poisson_trace(config.duration_s, config.seed, config.load, 1.0 / config.tokens_per_s,
+                              scale=config.scale)
+        result = MixedResult(config, measured_tokens_per_s=measured)
         start = time.monotonic()
         await asyncio.gather(*(_send(http, model, config, item, start, number, result)
                                for number, item in enumerate(trace)))
@@ -130,6 +140,41 @@ async def _send(http: httpx.AsyncClient, model: str, config: MixedConfig, item: 
     result.sent.append(sent)
     await send_chat(http, model, request, sent.record, time.monotonic)
     sent.ended_at = time.monotonic()
+
+
+def mean_lengths(scale: float = 1.0, samples: int = 2000) -> tuple[int, int]:
+    """The trace's mean prompt and output tokens (times `scale`), from a fixed draw."""
+    rng = random.Random("mean lengths")
+    drawn = [draw_lengths(rng) for _ in range(samples)]
+    return (max(1, round(scale * sum(p for p, _ in drawn) / samples)),
+            max(1, round(scale * sum(o for _, o in drawn) / samples)))
+
+
+async def measure_tokens_per_s(http: httpx.AsyncClient, model: str, config: MixedConfig,
+                               num_requests: int = CALIBRATION_REQUESTS) -> float:
+    """The server's prompt and output tokens a second on requests of the trace's mean lengths, sent at once
+    and split between the tenants (so that neither starts the trace ahead in service)."""
+    prompt_tokens, output_tokens = mean_lengths(config.scale)
+    records = [RequestRecord(config.tenants[i % 2].tenant_id, INTERACTIVE, time.monotonic())
+               for i in range(num_requests)]
+    requests = [ChatRequest(config.tenants[i % 2], INTERACTIVE, (("user", _calibration_text(i, prompt_tokens)),),
+                            output_tokens) for i in range(num_requests)]
+    start = time.monotonic()
+    await asyncio.gather(*(send_chat(http, model, request, record, time.monotonic)
+                           for request, record in zip(requests, records, strict=True)))
+    seconds = time.monotonic() - start
+    failed = [record.outcome for record in records if record.outcome != OK]
+    if failed:
+        raise RuntimeError(f"measuring the server's capacity failed: {failed}")
+    served = sum(record.prompt_tokens + record.completion_tokens for record in records)
+    return served / seconds
+
+
+def _calibration_text(number: int, prompt_tokens: int) -> str:
+    """A prompt of about `prompt_tokens` sharing no block with the trace's prompts or the other calibration
+    ones (each starts with its own words)."""
+    rng = random.Random(f"calibration-{number}")
+    return f"Calibration {number}. {prompt_text(rng, round(prompt_tokens / TOKENS_PER_WORD))}"
 
 
 # ---- the report ---------------------------------------------------------------------------------
@@ -150,7 +195,8 @@ def build_mixed_report(result: MixedResult, load_average: tuple[float, float],
     }
     report: dict[str, Any] = {
         "config": {k: v for k, v in asdict(result.config).items() if k != "tenants"},
-        "load_average": list(load_average), "summary": summary, "requests": request_rows(result)}
+        "load_average": list(load_average), "measured_tokens_per_s": result.measured_tokens_per_s,
+        "summary": summary, "requests": request_rows(result)}
     if against is not None:
         theirs = against["summary"]
         report["against"] = {"label": against["config"].get("label", ""), "ratios": {
@@ -199,7 +245,9 @@ def mixed_table(report: dict[str, Any]) -> str:
     def sec(value: float | None) -> str:
         return "-" if value is None else f"{value:.2f}"
 
-    rows = [["requests (ok)", f"{s['requests']} ({s['ok']})"], ["TTFT mean s", sec(s["ttft_mean_s"])],
+    measured = " (measured)" if report.get("measured_tokens_per_s") else ""
+    rows = [["capacity tok/s", f"{report['config']['tokens_per_s']:.0f}{measured}"],
+            ["requests (ok)", f"{s['requests']} ({s['ok']})"], ["TTFT mean s", sec(s["ttft_mean_s"])],
             ["TTFT p50 s", sec(s["ttft_p50_s"])], ["TTFT p99 s", sec(s["ttft_p99_s"])],
             [f"longest bucket ({s['longest_bucket_requests']}) TTFT p99 s", sec(s["longest_bucket_ttft_p99_s"])],
             ["Jain (both backlogged)", "-" if s["jain"] is None else f"{s['jain']:.3f}"]]

@@ -50,3 +50,25 @@ def test_the_command_sends_the_trace_and_compares_with_an_earlier_run(tmp_path: 
     assert len(rows) == summary["requests"] and [r["arrival_s"] for r in rows] == sorted(r["arrival_s"] for r in rows)
     assert all(r["outcome"] == "ok" and r["ttft_s"] is not None and r["e2e_s"] >= r["ttft_s"] for r in rows)
     assert sum(r["ttft_s"] for r in rows) / len(rows) == pytest.approx(summary["ttft_mean_s"], abs=1e-2)
+
+
+def test_the_capacity_is_measured_unless_given_and_a_comparison_runs_the_earlier_trace(tmp_path: Path) -> None:
+    tenants = tmp_path / "tenants.toml"
+    tenants.write_text(tenants_toml(KEYS))
+    client = tmp_path / "client.toml"
+    client.write_text("".join(f'[[tenants]]\nid = "{t}"\napi_key = "{k}"\n\n' for t, k in KEYS.items()))
+    server = ServerThread(instant_context(tenants_file=str(tenants))).start()
+    try:
+        args = ["mixed", "--url", server.base_url, "--tenants", str(client), "--duration", "1", "--scale", "0.02",
+                "--load", "0.1"]
+        assert main([*args, "--out", str(tmp_path / "first")]) == 0
+        earlier = str(tmp_path / "first" / "report.json")
+        assert main([*args, "--out", str(tmp_path / "second"), "--against", earlier]) == 0
+    finally:
+        server.stop()
+    first, second = (json.loads((tmp_path / run / "report.json").read_text()) for run in ("first", "second"))
+    measured = first["measured_tokens_per_s"]
+    assert measured > 0 and first["config"]["tokens_per_s"] == measured
+    assert second["measured_tokens_per_s"] is None and second["config"]["tokens_per_s"] == measured
+    arrivals = [[(r["arrival_s"], r["prompt_tokens"]) for r in report["requests"]] for report in (first, second)]
+    assert arrivals[0] == arrivals[1] and len(arrivals[0]) > 0

@@ -17,6 +17,7 @@ when every ratio is within `max_ratio` and nothing got a 5xx.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import multiprocessing
@@ -318,7 +319,12 @@ class Neighbour:
                 await response.aread()
                 return response
 
-        await self._loop("re-attach storm", follow)
+        try:
+            await self._loop("re-attach storm", follow)
+        finally:  # a background response outlives the run, a restart too: it would run into the next one
+            with contextlib.suppress(httpx.HTTPError, TimeoutError):
+                await asyncio.wait_for(self.http.post(f"/v1/responses/{response_id}/cancel", headers=self.headers),
+                                       timeout=5)
 
     async def _streamed_background_response(self) -> str | None:
         """A background response created with stream=true, left at its first event: its id."""

@@ -4,16 +4,29 @@ phases run, every abuse reaches the server and is answered without a 5xx, and th
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import sqlite3
 from pathlib import Path
 
+import httpx
 import pytest
 
 from loadtest.__main__ import main
-from loadtest.noisy import ALONE, NEIGHBOUR, NoisyConfig, build_noisy_report, noisy_markdown, run_noisy
+from loadtest.client import served_model
+from loadtest.noisy import (
+    ALONE,
+    NEIGHBOUR,
+    Neighbour,
+    NoisyConfig,
+    Phase,
+    build_noisy_report,
+    noisy_markdown,
+    run_noisy,
+)
 from loadtest.tenants import main as tenants_main
 from loadtest.workload import load_tenants
-from tests.app.conftest import ServerThread, instant_context
+from tests.app.conftest import ServerThread, instant_context, stepped_server
 
 MiB = 1024 * 1024
 CLIENT_TENANTS = """
@@ -69,3 +82,36 @@ def test_the_command_refuses_a_single_tenant(tmp_path: Path, capsys: pytest.Capt
     assert "two tenants" in capsys.readouterr().err
     assert not (tmp_path / "out" / "report.json").exists()
     json.dumps({})  # the report is JSON when it is written (see the run above)
+
+
+def test_the_re_attach_storm_cancels_its_background_response_when_it_ends(tenant_files: tuple[Path, Path]) -> None:
+    """A background response outlives the run (a restart too): left running, it would run into the next
+    run's alone phase. Here its steps are held, so it is still running when the storm is cancelled."""
+    server, executor = stepped_server(tenant_files[1])
+    database = server.context.settings.batch_db_path
+
+    def statuses() -> list[str]:  # the neighbour's responses, as the server stored them
+        with contextlib.closing(sqlite3.connect(database)) as db:
+            return [status for (status,) in db.execute("SELECT status FROM responses WHERE tenant = 'noisy'")]
+
+    async def storm_then_cancel() -> list[str]:
+        config = NoisyConfig(server.base_url, load_tenants(tenant_files[0]), phase_s=60.0)
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=30) as http:
+            model = await served_model(http, config.neighbour)
+            neighbour = Neighbour(Phase(config, http, model, NEIGHBOUR))
+            storm = asyncio.create_task(neighbour.reattach())
+            while not neighbour.phase.result.abuses.get("re-attach storm"):  # created: its first event came
+                await asyncio.sleep(0.01)
+            assert neighbour.phase.result.abuses["re-attach storm"] == {"200": 1}
+            running = statuses()
+            storm.cancel()
+            await asyncio.gather(storm, return_exceptions=True)
+            return running
+
+    try:
+        running = asyncio.run(asyncio.wait_for(storm_then_cancel(), timeout=30))
+        assert running and set(running) <= {"queued", "in_progress"}
+        assert statuses() == ["cancelled"]
+    finally:
+        executor.open()
+        server.stop()

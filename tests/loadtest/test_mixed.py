@@ -17,6 +17,15 @@ from tests.tenants_files import tenants_toml
 KEYS = {"a": "fl-mixed-a-key", "b": "fl-mixed-b-key"}
 
 
+def two_tenant_server(folder: Path) -> tuple[ServerThread, Path]:
+    """An instant server with the two tenants of KEYS, and the load tool's tenants file for them."""
+    tenants = folder / "tenants.toml"
+    tenants.write_text(tenants_toml(KEYS))
+    client = folder / "client.toml"
+    client.write_text("".join(f'[[tenants]]\nid = "{t}"\napi_key = "{k}"\n\n' for t, k in KEYS.items()))
+    return ServerThread(instant_context(tenants_file=str(tenants))).start(), client
+
+
 def test_the_trace_is_seeded_past_capacity_and_has_documents() -> None:
     trace = poisson_trace(600, seed=3, load=1.3, per_token_s=0.0018)
     assert trace == poisson_trace(600, seed=3, load=1.3, per_token_s=0.0018)
@@ -27,11 +36,7 @@ def test_the_trace_is_seeded_past_capacity_and_has_documents() -> None:
 
 
 def test_the_command_sends_the_trace_and_compares_with_an_earlier_run(tmp_path: Path) -> None:
-    tenants = tmp_path / "tenants.toml"
-    tenants.write_text(tenants_toml(KEYS))
-    client = tmp_path / "client.toml"
-    client.write_text("".join(f'[[tenants]]\nid = "{t}"\napi_key = "{k}"\n\n' for t, k in KEYS.items()))
-    server = ServerThread(instant_context(tenants_file=str(tenants))).start()
+    server, client = two_tenant_server(tmp_path)
     try:
         args = ["mixed", "--url", server.base_url, "--tenants", str(client), "--duration", "3", "--scale", "0.02",
                 "--tokens-per-s", "200"]
@@ -53,11 +58,7 @@ def test_the_command_sends_the_trace_and_compares_with_an_earlier_run(tmp_path: 
 
 
 def test_the_capacity_is_measured_unless_given_and_a_comparison_runs_the_earlier_trace(tmp_path: Path) -> None:
-    tenants = tmp_path / "tenants.toml"
-    tenants.write_text(tenants_toml(KEYS))
-    client = tmp_path / "client.toml"
-    client.write_text("".join(f'[[tenants]]\nid = "{t}"\napi_key = "{k}"\n\n' for t, k in KEYS.items()))
-    server = ServerThread(instant_context(tenants_file=str(tenants))).start()
+    server, client = two_tenant_server(tmp_path)
     try:
         args = ["mixed", "--url", server.base_url, "--tenants", str(client), "--duration", "1", "--scale", "0.02",
                 "--load", "0.1"]

@@ -8,9 +8,10 @@ the arrivals stop; then it drains. Every request is sent at its time, whatever t
 
 The capacity is the server's, measured before the trace unless given: a figure from one CPU offers another
 CPU a different load (sized for 550 tokens a second, the trace offered an AVX2 EPYC that computes about 120
-some six times its capacity, and its backlog then decided every figure). The measurement sends requests of the trace's mean lengths,
-all at once and split between the tenants, and divides their tokens by the time the last one took. A run
-`--against` an earlier report takes that report's capacity: two runs compare only on the same trace.
+some six times its capacity, and its backlog then decided every figure). The measurement sends requests
+of the trace's mean lengths, all at once and split between the tenants, and divides their tokens by the
+time the last one took. A run `--against` an earlier report takes that report's capacity: two runs
+compare only on the same trace.
 
 The report: mean and p99 TTFT, the p99 TTFT of the longest prompt bucket (the documents), and Jain's
 index of the two tenants' service (prompt tokens at their first token, a token per content chunk) over

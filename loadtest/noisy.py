@@ -241,6 +241,7 @@ class Neighbour:
         self.http = phase.http
         self.tenant = phase.config.neighbour
         self.headers = self.tenant.headers
+        self.background_ids: list[str] = []  # background responses created and not yet cancelled
 
     def abuses(self) -> list[Coroutine[Any, Any, None]]:
         config = self.phase.config
@@ -309,6 +310,16 @@ class Neighbour:
             "/v1/responses", headers=self.headers, json={"model": self.phase.model, "input": items}))
 
     async def reattach(self) -> None:
+        try:
+            await self._reattach_storm()
+        finally:  # a background response outlives the run, a restart too: it would run into the next one
+            while self.background_ids:
+                response_id = self.background_ids.pop()
+                with contextlib.suppress(httpx.HTTPError, TimeoutError):
+                    await asyncio.wait_for(self.http.post(f"/v1/responses/{response_id}/cancel",
+                                                          headers=self.headers), timeout=5)
+
+    async def _reattach_storm(self) -> None:
         response_id = await self._streamed_background_response()
         if response_id is None:
             return
@@ -319,12 +330,7 @@ class Neighbour:
                 await response.aread()
                 return response
 
-        try:
-            await self._loop("re-attach storm", follow)
-        finally:  # a background response outlives the run, a restart too: it would run into the next one
-            with contextlib.suppress(httpx.HTTPError, TimeoutError):
-                await asyncio.wait_for(self.http.post(f"/v1/responses/{response_id}/cancel", headers=self.headers),
-                                       timeout=5)
+        await self._loop("re-attach storm", follow)
 
     async def _streamed_background_response(self) -> str | None:
         """A background response created with stream=true, left at its first event: its id."""
@@ -337,7 +343,8 @@ class Neighbour:
                 return None
             async for line in created.aiter_lines():
                 if line.startswith("data: "):
-                    return str(json.loads(line[len("data: "):])["response"]["id"])
+                    self.background_ids.append(str(json.loads(line[len("data: "):])["response"]["id"]))
+                    return self.background_ids[-1]
         return None
 
     async def pins(self) -> None:

@@ -27,6 +27,7 @@ from loadtest.noisy import (
 from loadtest.tenants import main as tenants_main
 from loadtest.workload import load_tenants
 from tests.app.conftest import ServerThread, instant_context, stepped_server, wait_for
+from tests.factories import wait_until
 
 MiB = 1024 * 1024
 CLIENT_TENANTS = """
@@ -100,8 +101,7 @@ def test_the_re_attach_storm_cancels_its_background_response_when_it_ends(tenant
             model = await served_model(http, config.neighbour)
             neighbour = Neighbour(Phase(config, http, model, NEIGHBOUR))
             storm = asyncio.create_task(neighbour.reattach())
-            while not neighbour.phase.result.abuses.get("re-attach storm"):  # created: its first event came
-                await asyncio.sleep(0.01)
+            await wait_until(lambda: bool(neighbour.background_ids), what="the background response's id")
             assert neighbour.phase.result.abuses["re-attach storm"] == {"200": 1}
             running = statuses()
             storm.cancel()

@@ -91,7 +91,10 @@ def test_completions_logprobs_shape(client: openai.OpenAI, tiny_server: ServerTh
 
     assert logprobs is not None and logprobs.tokens is not None and logprobs.top_logprobs is not None
     assert len(logprobs.tokens) == 5 and logprobs.token_logprobs is not None and len(logprobs.token_logprobs) == 5
-    assert all(len(top) in (2, 3) for top in logprobs.top_logprobs)  # the sampled token is always there too
+    # The sampled token is always there too; tokens of the same text (random weights pick bytes that decode
+    # to nothing) share one key in the legacy format, so an entry may hold fewer.
+    assert all(1 <= len(top) <= 3 and token in top
+               for token, top in zip(logprobs.tokens, logprobs.top_logprobs, strict=True))
     assert logprobs.text_offset == [sum(len(t) for t in logprobs.tokens[:i]) for i in range(5)]
 
 

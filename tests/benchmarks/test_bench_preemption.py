@@ -23,7 +23,7 @@ def bench_files(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any
     folder = tmp_path_factory.mktemp("bench")
     out, plot = folder / "preemption.json", folder / "preemption.png"
     # 16 float32 blocks of 16 tokens: six batch requests of up to 64 tokens do not fit, so they swap.
-    code = main(["bench", "preemption", "--model", "builtin:tiny", "--kv-cache-bytes", str(16 * 65536),
+    code = main(["bench", "preemption", "--model", "builtin:tiny", "--kv-cache-bytes", str(8 * 65536),
                  "--kv-cache-dtype", "float32",
                  "--max-num-seqs", "8", "--max-num-batched-tokens", "64", *TRAFFIC_FLAGS,
                  "--out", str(out), "--plot", str(plot)])

@@ -406,13 +406,18 @@ async def test_a_quantized_model_with_dense_copies_serves_its_prompts(monkeypatc
     assert all((m.fbgemm_weight is not None) == (gemm == "fbgemm") for m in copies if m is not head)
     assert loaded.kernel_plan.dense_from_rows == 8
     prompts = [byte_prompt(20 + 15 * i, offset=11 * i) for i in range(4)]
-    expected_first = [int(hf_logits(loaded.model, p)[-1].argmax()) for p in prompts]  # dense: every prompt is >= 8
+    last_logits = [hf_logits(loaded.model, p)[-1] for p in prompts]  # dense: every prompt is >= 8
     engine = make_engine(loaded, num_blocks=64, block_size=16)
     async with running(engine):
         results = await asyncio.gather(*(collect(engine.submit(make_request(p, 12))) for p in prompts))
         assert await engine.wait_idle(timeout=10)
         assert_kv_all_free(engine)
-    assert [tokens_of(events)[0] for events in results] == expected_first
+    # The engine's LM head sees one row per prompt, under the copies' row count: the packed int8 head, whose
+    # rounding can split the random model's near ties (two logits 0.01 apart), where the reference's rows took
+    # the copy. So each first token is the reference's pick up to that rounding.
+    firsts = [tokens_of(events)[0] for events in results]
+    assert all(float(logits.max() - logits[token]) < 0.05 for logits, token in zip(last_logits, firsts, strict=True))
+    assert sum(token == int(logits.argmax()) for logits, token in zip(last_logits, firsts, strict=True)) >= 3
     assert all(len(tokens_of(events)) == 12 for events in results)
 
 

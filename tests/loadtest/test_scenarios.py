@@ -53,7 +53,7 @@ def tenant_files(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 @pytest.fixture(scope="module")
 def server(tiny_model: LoadedModel, tenant_files: tuple[Path, Path]) -> Iterator[ServerThread]:
     # 512 blocks of 16 tokens: room for the shared-prefix scenario's system prompt (byte tokens) many times over.
-    context = tiny_context(tiny_model, tenants_file=str(tenant_files[1]), kv_cache_bytes=32 * MiB,
+    context = tiny_context(tiny_model, tenants_file=str(tenant_files[1]), kv_cache_bytes=16 * MiB,
                            swap_space_bytes=8 * MiB, batch_poll_s=0.1)
     started = ServerThread(context).start()
     yield started

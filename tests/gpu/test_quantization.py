@@ -125,6 +125,24 @@ def test_auto_keeps_a_gguf_files_own_precision(tmp_path: Path, block_type: str, 
     assert resolve_quantization(str(path), "none") == "none"  # an explicit choice is kept
 
 
+def test_the_files_precision_is_kept_beside_its_conversion_and_read_again_only_for_new_bytes(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cache = tmp_path / "models"
+    path = write_gguf(tmp_path / "model.gguf", "Q4_1")
+    assert resolve_quantization(str(path), "auto", cache) == "int4"
+    assert [p.suffix for p in cache.iterdir()] == [".quantization"]
+    import gguf
+
+    def no_parsing(*_: Any) -> None:
+        raise AssertionError("the GGUF file was parsed again")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(gguf, "GGUFReader", no_parsing)
+        assert resolve_quantization(str(path), "auto", cache) == "int4"  # read from the record
+    write_gguf(path, "Q8_0")  # other bytes under the same name: another digest
+    assert resolve_quantization(str(path), "auto", cache) == "int8"
+
+
 def test_auto_serves_the_default_model_in_its_q4_1_and_builtins_unquantized() -> None:
     assert resolve_quantization("smollm2-135m", "auto") == "int4"  # shipped_quantization of the packaged GGUF
     assert resolve_quantization("builtin:tiny", "auto") == "none"

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from gpu.models import load_model, resolve_quantization, shipped_quantization
+from gpu.models import gguf_parsed_once, load_model, resolve_quantization, shipped_quantization
 from gpu.quantization import (
     INT4_GROUP_SIZE,
     Int4WeightOnlyLinear,
@@ -141,6 +141,19 @@ def test_the_files_precision_is_kept_beside_its_conversion_and_read_again_only_f
         assert resolve_quantization(str(path), "auto", cache) == "int4"  # read from the record
     write_gguf(path, "Q8_0")  # other bytes under the same name: another digest
     assert resolve_quantization(str(path), "auto", cache) == "int8"
+
+
+def test_a_conversion_parses_its_file_once_and_leaves_gguf_as_it_was(tmp_path: Path) -> None:
+    import gguf
+
+    path = str(write_gguf(tmp_path / "model.gguf", "Q4_1"))
+    reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    with gguf_parsed_once():
+        assert gguf.GGUFReader(path) is gguf.GGUFReader(path)  # transformers' three openings share one parse
+        llama = gguf.MODEL_ARCH.LLAMA
+        assert gguf.get_tensor_name_map(llama, 3) is gguf.get_tensor_name_map(llama, 3)
+    assert (gguf.GGUFReader, gguf.get_tensor_name_map) == (reader, name_map)
+    assert gguf.GGUFReader(path) is not gguf.GGUFReader(path)
 
 
 def test_auto_serves_the_default_model_in_its_q4_1_and_builtins_unquantized() -> None:

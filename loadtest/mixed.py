@@ -7,7 +7,7 @@ computing `tokens_per_s` prompt and output tokens a second serves, so past capac
 the arrivals stop; then it drains. Every request is sent at its time, whatever the others do (open loop).
 
 The capacity is the server's, measured before the trace unless given: a figure from one CPU offers another
-CPU a different load (sized for 550 tokens a second, the trace offered an AVX2 EPYC that computes about 120
+CPU a different load (sized for 550 tokens a second, the trace offered an AVX2 EPYC, which serves about 120,
 some six times its capacity, and its backlog then decided every figure). The measurement sends requests
 of the trace's mean lengths, all at once and split between the tenants, and divides their tokens by the
 time the last one took. A run `--against` an earlier report takes that report's capacity: two runs

@@ -343,8 +343,9 @@ class Neighbour:
                 return None
             async for line in created.aiter_lines():
                 if line.startswith("data: "):
-                    self.background_ids.append(str(json.loads(line[len("data: "):])["response"]["id"]))
-                    return self.background_ids[-1]
+                    response_id = str(json.loads(line[len("data: "):])["response"]["id"])
+                    self.background_ids.append(response_id)
+                    return response_id
         return None
 
     async def pins(self) -> None:

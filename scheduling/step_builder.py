@@ -23,6 +23,7 @@ class StepBuilder:
     cross_tenant_time_left_s: float | None = None  # what batch work beside another tenant's interactive may take
     served_more_time_left_s: float | None = None  # what batch work of tenants served more than the least may take
     long_prompt_turn: bool = False  # whether they may take any
+    decoding_tenants: frozenset[str] | None = None  # the tenants with interactive decodes in the step, once asked
     shaping_decided: bool = False
     batch_floor_tokens: int = 0  # batch_min_share's tokens, which shaping never takes from batch
     batch_tokens: int = 0

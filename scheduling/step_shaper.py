@@ -113,6 +113,7 @@ class StepShaper:
         self._unsettled: tuple[StepPlan, float, float] | None = None
         self._steps_since_spent = 0  # steps settled under the derived target since one ran past it
         self._last_step_end: float | None = None  # when the last step observed ended, on the scheduler's clock
+        self._turn_taken_in: StepPlan | None = None  # the last step that held a turn of tenants' long prompts
 
     def shapes(self, request: Request) -> bool:
         """Whether this request's work takes from the shaped budget (and so opens it)."""
@@ -296,9 +297,14 @@ class StepShaper:
         carried over, one step in a few holds a group of batch rows. Measured, not predicted: steps that ran
         past their prediction hold the next steps' batch work back. The streams' gaps keep the target on
         average, and no step is predicted past the arrival budget. Debt is forgiven past one target's worth
-        (a collector's pause must not stop batch work for long)."""
+        (a collector's pause must not stop batch work for long).
+
+        A step that held a turn of tenants' long prompts is not settled: its length is the turn's, bounded by
+        `long_prompt_every`, not the streams' room. Settled, each turn overspent the room the streams' own
+        tenant's batch work runs in, and a light tenant's 8-line batch beside a neighbour's pinned prompts
+        took 4.3x as long as alone, its rows about five a second until the neighbour stopped."""
         unsettled, self._unsettled = self._unsettled, None
-        if unsettled is None or unsettled[0] is not plan:
+        if unsettled is None or unsettled[0] is not plan or plan is self._turn_taken_in:
             return
         _, target, most = unsettled
         self._credit_s = min(max(self._credit_s + target - gap_s, -target), most)
@@ -363,6 +369,7 @@ class StepShaper:
                 step.cross_tenant_time_left_s = max(0.0, cross_left - spent)
             if long_prompt:
                 self._long_prompt_waits = 0
+                self._turn_taken_in = step.plan
                 step.prompt_time_left_s = max(0.0, time_left - spent)
         if request.priority is PriorityClass.BATCH:
             self.counters.batch_tokens_deferred += wanted - granted

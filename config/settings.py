@@ -220,6 +220,10 @@ class Settings(BaseModel):
     # from every other tenant. None: every 429 at once.
     tenant_refusals_per_s: float | None = Field(default=20.0, gt=0)
     refusal_pause_s: float = Field(default=1.0, gt=0, le=30)
+    # Each tenant's heavy preparation (large bodies parsed, long texts tokenized, long conversations
+    # rendered; app/serving/off_loop.py) takes at most this share of one core on average: after a job of
+    # c CPU seconds, the tenant's next heavy job waits c * (1 / share - 1). 1: no wait.
+    tenant_prepare_cpu_share: float = Field(default=0.1, gt=0, le=1)
     batch_window_s: int = Field(default=24 * 3600, ge=1)  # the "24h" completion window, in seconds
     batch_max_in_flight: int = Field(default=32, ge=1)  # batch items in the engine at once, all batches
     batch_poll_s: float = Field(default=1.0, gt=0)  # how often expiry is checked without other events

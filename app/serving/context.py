@@ -29,10 +29,11 @@ class ServingContext:
     replica_snapshots: ReplicaSnapshots | None = None
     gate: AdmissionGate = field(init=False)  # authentication, class rights and quotas, per the engine's tenants
     adapters: AdapterRegistry | None = field(init=False)  # the LoRA adapters served; None without enable_lora
-    off_loop: OffLoop = field(default_factory=OffLoop)  # each tenant's heavy parsing and rendering
+    off_loop: OffLoop = field(init=False)  # each tenant's heavy parsing and rendering
 
     def __post_init__(self) -> None:
         self.gate = AdmissionGate(self.engine.tenants, self.engine)
+        self.off_loop = OffLoop(cpu_share=self.settings.tenant_prepare_cpu_share)
         self.adapters = self._adapter_registry()
 
     def _adapter_registry(self) -> AdapterRegistry | None:

@@ -155,3 +155,33 @@ def test_heavy_work_runs_at_a_low_priority_one_job_per_tenant_at_a_time() -> Non
         off_loop.close()
     assert set(niceness) == {PREPARE_NICE}
     assert most_at_once == {"a": 1, "b": 1}
+
+
+def test_a_tenants_heavy_jobs_take_at_most_their_share_of_a_core() -> None:
+    """After a job of c CPU seconds, the tenant's next heavy job waits c * (1 / share - 1); the job's own
+    result comes back at once, and another tenant's job waits for none of it."""
+    off_loop = OffLoop(num_threads=2, nice=0, cpu_share=0.25)  # a pause of three times the job's CPU time
+    spans: dict[str, list[tuple[float, float, float]]] = {"a": [], "b": []}  # (start, end, cpu seconds)
+
+    def burn(tenant: str) -> float:
+        start, cpu_start = time.monotonic(), time.thread_time()
+        while time.thread_time() - cpu_start < 0.03:
+            pass
+        spans[tenant].append((start, time.monotonic(), time.thread_time() - cpu_start))
+        return time.monotonic()
+
+    async def jobs() -> tuple[list[float], float]:
+        first = await off_loop.run_if(True, "a", burn, "a")
+        returned = time.monotonic()
+        rest = await asyncio.gather(off_loop.run_if(True, "a", burn, "a"), off_loop.run_if(True, "b", burn, "b"))
+        return [first, *rest], returned
+
+    try:
+        (first_end, _, _), returned = asyncio.run(jobs())
+    finally:
+        off_loop.close()
+    (_, a_end, a_cpu), (a_next_start, _, _) = spans["a"]
+    b_start = spans["b"][0][0]
+    assert returned - first_end < 0.05  # the result did not wait for the pause
+    assert a_next_start - a_end >= 3 * a_cpu * 0.95  # the tenant's next job did
+    assert b_start - a_end < 3 * a_cpu * 0.5  # another tenant's did not

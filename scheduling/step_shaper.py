@@ -355,9 +355,7 @@ class StepShaper:
         def cost(n: int) -> float:  # the line's, and the change of bucket residual (a kernel change)
             return coefficients.added_by(n, start) + swap_s + residual(tokens + n) - residual(tokens)
 
-        if time_left <= 0:  # no room: a bucket's residual can price more work below none (a kernel change),
-            granted = self._floor(step, request, wanted)  # and a prompt's step held batch tokens it was meant not to
-        elif wanted == 1:  # a decode, the common case: one check, no search
+        if wanted == 1:  # a decode, the common case: one check, no search
             granted = 1 if cost(1) <= time_left else self._floor(step, request, 1)
         else:
             granted = max(largest_fitting(wanted, lambda n: cost(n) <= time_left), self._floor(step, request, wanted))

@@ -512,27 +512,3 @@ def test_tenants_running_as_many_batch_rows_keep_full_steps() -> None:
     only cost both; every step holds them all."""
     steps = light_rows_beside_a_flood(light_rows=8, flood_rows=8)
     assert all(flood_tokens == 8 for _, _, flood_tokens in steps)
-
-
-def test_a_step_starting_a_prompt_holds_no_batch_work_even_where_a_bucket_prices_more_work_below_none() -> None:
-    """A prompt's first token waits for no batch work: its step has no room for any. The cost model's
-    bucket residuals may price a larger step below a smaller one (a kernel that takes over at some row
-    count), which made a batch row's added cost negative and let it into a step with no room: under a
-    flood, a prompt's step held one to five batch tokens (docs/loadtest.md)."""
-    sim = Simulation(ShapingConfig())
-    streams_decoding(sim, KnownCost())
-    model = sim.scheduler.shaper.cost_model
-    model.residual = lambda num_tokens: -0.05 * num_tokens  # type: ignore[method-assign]  # more tokens, a cheaper step
-    prompt_steps = 0
-    for _ in range(30):
-        sim.top_up_batch()
-        prompt = make_request(40, 4, priority=INTERACTIVE)
-        sim.scheduler.add_request(prompt)
-        plan = sim.step()
-        if any(s.request_id == prompt.request_id and len(s.token_ids) > 1 for s in plan.sequences):
-            prompt_steps += 1
-            assert sim.batch_tokens(plan) == 0
-        while not prompt.status.is_finished:
-            sim.top_up_batch()
-            sim.step()
-    assert prompt_steps >= 10

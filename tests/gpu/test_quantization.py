@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from gpu.models import gguf_parsed_once, load_model, resolve_quantization, shipped_quantization
+from gpu.models import gguf_digest, gguf_parsed_once, load_model, resolve_quantization, shipped_quantization
 from gpu.quantization import (
     INT4_GROUP_SIZE,
     Int4WeightOnlyLinear,
@@ -143,17 +143,34 @@ def test_the_files_precision_is_kept_beside_its_conversion_and_read_again_only_f
     assert resolve_quantization(str(path), "auto", cache) == "int8"
 
 
-def test_a_conversion_parses_its_file_once_and_leaves_gguf_as_it_was(tmp_path: Path) -> None:
+def test_a_conversion_parses_its_file_once_and_leaves_gguf_as_it_was(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    import hashlib
+
     import gguf
 
-    path = str(write_gguf(tmp_path / "model.gguf", "Q4_1"))
+    file = write_gguf(tmp_path / "model.gguf", "Q4_1")
+    path = str(file)
+    hashed: list[str] = []
+    file_digest = hashlib.file_digest
+
+    def counted(f: Any, name: str) -> Any:
+        hashed.append(name)
+        return file_digest(f, name)
+
+    monkeypatch.setattr(hashlib, "file_digest", counted)
     reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
     with gguf_parsed_once():
         assert gguf.GGUFReader(path) is gguf.GGUFReader(path)  # transformers' three openings share one parse
         llama = gguf.MODEL_ARCH.LLAMA
         assert gguf.get_tensor_name_map(llama, 3) is gguf.get_tensor_name_map(llama, 3)
+        with gguf_parsed_once():  # a block inside another shares the outer one's
+            assert gguf.GGUFReader(path) is gguf.GGUFReader(path)
+        assert gguf_digest(file) == gguf_digest(file) and len(hashed) == 1  # the precision's record, the conversion
     assert (gguf.GGUFReader, gguf.get_tensor_name_map) == (reader, name_map)
     assert gguf.GGUFReader(path) is not gguf.GGUFReader(path)
+    gguf_digest(file)
+    assert len(hashed) == 2  # outside a load, hashed again: the file may have changed
 
 
 def test_auto_serves_the_default_model_in_its_q4_1_and_builtins_unquantized() -> None:

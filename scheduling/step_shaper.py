@@ -113,7 +113,6 @@ class StepShaper:
         self._unsettled: tuple[StepPlan, float, float] | None = None
         self._steps_since_spent = 0  # steps settled under the derived target since one ran past it
         self._last_step_end: float | None = None  # when the last step observed ended, on the scheduler's clock
-        self._turn_taken_in: StepPlan | None = None  # the last step that held a turn of tenants' long prompts
 
     def shapes(self, request: Request) -> bool:
         """Whether this request's work takes from the shaped budget (and so opens it)."""
@@ -304,7 +303,7 @@ class StepShaper:
         tenant's batch work runs in, and a light tenant's 8-line batch beside a neighbour's pinned prompts
         took 4.3x as long as alone, its rows about five a second until the neighbour stopped."""
         unsettled, self._unsettled = self._unsettled, None
-        if unsettled is None or unsettled[0] is not plan or plan is self._turn_taken_in:
+        if unsettled is None or unsettled[0] is not plan:
             return
         _, target, most = unsettled
         self._credit_s = min(max(self._credit_s + target - gap_s, -target), most)
@@ -369,7 +368,7 @@ class StepShaper:
                 step.cross_tenant_time_left_s = max(0.0, cross_left - spent)
             if long_prompt:
                 self._long_prompt_waits = 0
-                self._turn_taken_in = step.plan
+                self._unsettled = None  # a turn's step is not settled (see _settle)
                 step.prompt_time_left_s = max(0.0, time_left - spent)
         if request.priority is PriorityClass.BATCH:
             self.counters.batch_tokens_deferred += wanted - granted

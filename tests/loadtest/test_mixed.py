@@ -4,26 +4,59 @@ longest bucket's p99 and the tenants' Jain index, and compares with an earlier r
 
 from __future__ import annotations
 
+import contextlib
 import json
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from loadtest.__main__ import main
 from loadtest.mixed import DOCUMENT_TOKENS, poisson_trace
-from tests.app.conftest import ServerThread, instant_context
+from tests.app.conftest import ServerThread, instant_context, stepped_server
 from tests.tenants_files import tenants_toml
 
 KEYS = {"a": "fl-mixed-a-key", "b": "fl-mixed-b-key"}
 
 
-def two_tenant_server(folder: Path) -> tuple[ServerThread, Path]:
-    """An instant server with the two tenants of KEYS, and the load tool's tenants file for them."""
+def tenants_files(folder: Path) -> tuple[Path, Path]:
+    """The server's tenants file with the two tenants of KEYS, and the load tool's for them."""
     tenants = folder / "tenants.toml"
     tenants.write_text(tenants_toml(KEYS))
     client = folder / "client.toml"
     client.write_text("".join(f'[[tenants]]\nid = "{t}"\napi_key = "{k}"\n\n' for t, k in KEYS.items()))
+    return tenants, client
+
+
+def two_tenant_server(folder: Path) -> tuple[ServerThread, Path]:
+    """An instant server with the two tenants of KEYS, and the load tool's tenants file for them."""
+    tenants, client = tenants_files(folder)
     return ServerThread(instant_context(tenants_file=str(tenants))).start(), client
+
+
+@contextlib.contextmanager
+def paced_two_tenant_server(folder: Path, step_s: float = 0.02) -> Iterator[tuple[ServerThread, Path]]:
+    """The two tenants' server stepping once every `step_s`, so each request stays in flight for a few steps
+    and the tenants' requests overlap: on an instant one a fast CPU ended each request before the other
+    tenant's next arrived, and Jain (read while both are backlogged) had nothing to read in half the runs."""
+    tenants, client = tenants_files(folder)
+    server, executor = stepped_server(tenants)
+    stopped = threading.Event()
+
+    def pace() -> None:
+        while not stopped.wait(step_s):
+            executor.allow(1)
+
+    pacer = threading.Thread(target=pace, daemon=True)
+    pacer.start()
+    try:
+        yield server, client
+    finally:
+        stopped.set()
+        pacer.join()
+        executor.open()
+        server.stop()
 
 
 def test_the_trace_is_seeded_past_capacity_and_has_documents() -> None:
@@ -36,15 +69,12 @@ def test_the_trace_is_seeded_past_capacity_and_has_documents() -> None:
 
 
 def test_the_command_sends_the_trace_and_compares_with_an_earlier_run(tmp_path: Path) -> None:
-    server, client = two_tenant_server(tmp_path)
-    try:
+    with paced_two_tenant_server(tmp_path) as (server, client):
         args = ["mixed", "--url", server.base_url, "--tenants", str(client), "--duration", "3", "--scale", "0.02",
                 "--tokens-per-s", "200"]
         assert main([*args, "--label", "first", "--out", str(tmp_path / "first")]) == 0
         assert main([*args, "--label", "second", "--out", str(tmp_path / "second"),
                      "--against", str(tmp_path / "first" / "report.json")]) == 0
-    finally:
-        server.stop()
     report = json.loads((tmp_path / "second" / "report.json").read_text())
     summary = report["summary"]
     assert summary["requests"] > 5 and summary["errors"] == 0

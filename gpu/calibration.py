@@ -10,11 +10,13 @@ The pass runs the float model, before its layers are packed, over `CALIBRATION_T
 fixed English text (the docstrings of a few standard-library modules; `fairlane bench quality` measures
 perplexity on another text). Each linear layer's inputs give its s, and the relative error of its
 smoothed int8 product against the float one over those same inputs, a token at a time. A layer past
-`INT8_MAX_ERROR` keeps the packed kernel in large steps too, and so does the LM head, whose error
-lands on the logits as it is. (A bfloat16 copy in those layers instead read the perplexity text a
-little closer, 12.303, but made compiled steps of 12-32 decodes 14-24% slower: 81.7 against 65.9 ms
-at 32.) SmolLM2's perplexity over its text (`fairlane bench quality`, Zen 4 EPYC), float32 12.320,
-int4 on the packed kernels alone 12.341, with int8 copies in:
+`INT8_MAX_ERROR` keeps no int8 copy, and so does the LM head, whose error lands on the logits as it
+is. Such a layer keeps the packed kernel, or, where the plan measured a float copy faster from some row
+count on (`KernelPlan.fallback`, gpu/linear_kernels.py), takes that copy from there. (Taken from the int8
+copies' row count, a bfloat16 copy in those layers read the perplexity text a little closer, 12.303, but
+made compiled steps of 12-32 decodes 14-24% slower: 81.7 against 65.9 ms at 32; from its own row count
+it costs those steps nothing.) SmolLM2's perplexity over its text (`fairlane bench quality`, Zen 4
+EPYC), float32 12.320, int4 on the packed kernels alone 12.341, with int8 copies in:
 
 | int8 copies in | unsmoothed | smoothed |
 |---|---|---|

@@ -14,6 +14,14 @@ logged. The measurement takes seconds and is kept on disk, keyed by the machine,
 torch version and the layer shapes; a measurement whose timings fall as rows grow was taken beside other
 work, and is taken again, and kept only once consistent.
 
+Where int8 copies win, the layers whose int8 product errs past the calibration's bound keep none
+(gpu/calibration.py): on SmolLM2 34 of 210, the MLPs' down projections among them, 28% of the step's
+weights. On the packed kernel, whose time grows with every row, they took 16 of a 90-token prompt step's
+40 ms on a Zen 5 EPYC. So the plan times the float copies on up the buckets past the int8 decision, and
+those layers keep the fastest one from where it wins (`KernelPlan.fallback`), chosen when the step runs
+inside the large steps' graph (`fairlane::rows_switched_int4`): below that row count the packed kernel
+still wins (their decode batches), above it the copy does, by more with every row.
+
 The dense dtypes tried: the model's own; bfloat16 where the hardware multiplies it natively
 (AVX512-BF16 or AMX, or a GPU; AVX2 emulates it at 7x float32's time); and on a CPU, int8 copies
 multiplied with int8 activations (gpu/quantization.py), which need VNNI's integer dot products to win.
@@ -110,6 +118,10 @@ class KernelPlan:
     # prompt chunk's last token), not the step's tokens, so it chooses when the step runs (gpu/quantization.py).
     head: DenseCopy | None = None
     head_ms: dict[int, dict[str, float]] | None = None  # the head alone, per bucket, per kernel
+    # Beside int8 copies: a float copy of the layers the calibration leaves on the packed kernel (their int8
+    # product errs past its bound, gpu/calibration.py), taken in the large steps' graph from its row count on,
+    # chosen when the step runs (`rows_switched_int4`). None: those layers stay packed at every row count.
+    fallback: DenseCopy | None = None
 
     @property
     def dense_dtype(self) -> torch.dtype | None:
@@ -124,7 +136,7 @@ class KernelPlan:
 
     def graph_variant(self) -> str:
         """What of the plan a compiled graph depends on: each copy's kernel and the rows it is taken from."""
-        copies = (("dense", self.dense), ("head", self.head))
+        copies = (("dense", self.dense), ("head", self.head), ("fallback", self.fallback))
         return "".join(f"+{name}-{kernel_name(copy)}-from{copy.from_rows}" for name, copy in copies if copy is not None)
 
     def describe(self) -> str:
@@ -134,6 +146,9 @@ class KernelPlan:
             layers = f"{kernel_name(self.dense)} copies at every row count"
         else:
             layers = f"packed kernels below {self.dense.from_rows} rows, {kernel_name(self.dense)} copies from there"
+        if self.fallback is not None:
+            layers += (f"; the layers without one packed below {self.fallback.from_rows} rows, "
+                       f"{kernel_name(self.fallback)} copies from there")
         if self.head is None:
             return layers
         return f"{layers}; the LM head packed below {self.head.from_rows} kept rows, {self.head.dtype} from there"
@@ -302,21 +317,36 @@ StepTimer = Callable[[int, str], float]  # (rows, kernel: "packed" or a dense co
 def measure_plan(time_step: StepTimer, candidates: list[str]) -> KernelPlan:
     """Times the packed kernels and each dense copy's kernel up the row buckets, until one has won
     CONFIRMING_BUCKETS buckets in a row: from the first of those on, it wins at larger steps too (the
-    dense GEMM's advantage only grows with rows)."""
+    dense GEMM's advantage only grows with rows). Where int8 copies win, the float copies go on up the
+    buckets from there, for the layers the calibration leaves packed (`KernelPlan.fallback`)."""
     timings: dict[int, dict[str, float]] = {}
+    dense = first_confirmed_win(time_step, ["packed", *candidates], ROW_BUCKETS, timings)
+    if dense is None:
+        return KernelPlan(step_linears_ms=timings)
+    floats = [kernel for kernel in candidates if dense_copy_of(kernel, 1).dtype.is_floating_point]
+    fallback = None
+    if dense.dtype == torch.int8 and floats:
+        larger = [rows for rows in ROW_BUCKETS if rows >= dense.from_rows]
+        fallback = first_confirmed_win(time_step, ["packed", *floats], larger, timings)
+    return KernelPlan(dense, timings, fallback=fallback)
+
+
+def first_confirmed_win(time_step: StepTimer, kernels: list[str], buckets: list[int] | tuple[int, ...],
+                        timings: dict[int, dict[str, float]]) -> DenseCopy | None:
+    """The first dense kernel of `kernels` (packed first) to win CONFIRMING_BUCKETS buckets in a row, as a copy
+    from the first of them; each timing taken once into `timings` (ms per bucket and kernel)."""
     streak: list[int] = []
-    fastest = "packed"
-    for rows in ROW_BUCKETS:
-        measured = {kernel: time_step(rows, kernel) for kernel in ["packed", *candidates]}
-        timings[rows] = {kernel: round(seconds * 1e3, 3) for kernel, seconds in measured.items()}
-        fastest = min(measured, key=lambda kernel: measured[kernel])
-        wins = fastest != "packed" and measured[fastest] <= DENSE_MARGIN * measured["packed"]
+    for rows in buckets:
+        row = timings.setdefault(rows, {})
+        for kernel in kernels:
+            if kernel not in row:
+                row[kernel] = round(time_step(rows, kernel) * 1e3, 3)
+        fastest = min(kernels, key=lambda kernel: row[kernel])
+        wins = fastest != "packed" and row[fastest] <= DENSE_MARGIN * row["packed"]
         streak = [*streak, rows] if wins else []
         if len(streak) >= CONFIRMING_BUCKETS:
-            break
-    if not streak:
-        return KernelPlan(step_linears_ms=timings)
-    return KernelPlan(dense_copy_of(fastest, streak[0]), timings)
+            return dense_copy_of(fastest, streak[0])
+    return None
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -330,7 +360,8 @@ def plan_identity(layouts: Counter[Layout], candidates: list[str], device: torch
                             "dtype": str(model_dtype), "threads": torch.get_num_threads(), "torch": torch.__version__,
                             "buckets": ROW_BUCKETS, "machine": machine_key(device),
                             "timing": "weights cycled past the cache", "margin": DENSE_MARGIN,
-                            "int8": "dynamic activations, calibrated layers only, timed from int8 activations"},
+                            "int8": "dynamic activations, calibrated layers only, timed from int8 activations",
+                            "fallback": "float copies of the layers int8 leaves packed, by their own row count"},
                            default=str)
     return hashlib.sha256(described.encode()).hexdigest()[:16]
 
@@ -342,7 +373,9 @@ def plan_as_json(plan: KernelPlan) -> dict[str, Any]:
             "step_linears_ms": {str(rows): row for rows, row in (plan.step_linears_ms or {}).items()},
             "head_dtype": None if plan.head is None else dtype_name(plan.head.dtype),
             "head_from_rows": None if plan.head is None else plan.head.from_rows,
-            "head_ms": {str(rows): row for rows, row in (plan.head_ms or {}).items()}}
+            "head_ms": {str(rows): row for rows, row in (plan.head_ms or {}).items()},
+            "fallback_dtype": None if plan.fallback is None else dtype_name(plan.fallback.dtype),
+            "fallback_from_rows": None if plan.fallback is None else plan.fallback.from_rows}
 
 
 def plan_from_json(data: dict[str, Any]) -> KernelPlan:
@@ -356,7 +389,8 @@ def plan_from_json(data: dict[str, Any]) -> KernelPlan:
     if dense is not None and data.get("dense_int8_gemm") == "fbgemm":
         dense = dataclasses.replace(dense, int8_gemm="fbgemm")
     return KernelPlan(dense, timings("step_linears_ms"),
-                      copy_of(data.get("head_dtype"), data.get("head_from_rows")), timings("head_ms"))
+                      copy_of(data.get("head_dtype"), data.get("head_from_rows")), timings("head_ms"),
+                      copy_of(data.get("fallback_dtype"), data.get("fallback_from_rows")))
 
 
 def plan_linear_kernels(model: nn.Module, mode: Quantization, model_dtype: torch.dtype, device: torch.device, *,

@@ -332,7 +332,7 @@ def load_model(spec: str, *, device: str = "auto", dtype: str = "auto", seed: in
         smoothing = calibrate_int8_copies(model, mode, tokenizer, precision=plan.dense.int8_precision)
         if not smoothing:  # no layer keeps an int8 copy: no large steps' graph to compile for nothing
             plan = dataclasses.replace(plan, dense=None)
-    quantize_linears(model, mode, plan.dense, smoothing, plan.head)
+    quantize_linears(model, mode, plan.dense, smoothing, plan.head, plan.fallback)
     if plan.dense is not None or plan.head is not None:
         logger.info("dense copies: %s; %.0f MiB", plan.describe(), dense_copy_bytes(model) / 2**20)
     if mode != quantization:

@@ -126,15 +126,26 @@ class PackedLinear(nn.Module):
     # An LM head's rows are the logits a step keeps, which no compiled graph knows against `dense_from_rows`:
     # such a layer chooses between its copy and the packed kernel when the step runs (an int8 head only).
     switches_at_run_time: bool = False
+    in_features: int
+    out_features: int
+    compute_dtype: torch.dtype  # the packed kernel's activations
+    # A layer int8 leaves packed, with a float copy instead (`KernelPlan.fallback`): the rows it takes the copy
+    # from, inside the large steps' graph; 0: no such copy.
+    fallback_from_rows: int = 0
 
     def keep_dense_copy(self, dense: DenseCopy | None, values: Callable[[], torch.Tensor],
-                        smoothing: torch.Tensor | None = None) -> None:
+                        smoothing: torch.Tensor | None = None, fallback: DenseCopy | None = None) -> None:
         """`values()`: the dequantized weight [out, in], made only when a copy is kept. An int8 copy is
         kept only with its `smoothing` (gpu/calibration.py): the weight's input channels are multiplied by
         it and the activations' divided, so that a few large activation channels do not take all of a
-        row's 8 bits. Without one, the layer keeps no copy."""
+        row's 8 bits. Without one, the layer keeps the `fallback` float copy if given (the large steps' graph
+        takes it from the fallback's own row count, `fallback_from_rows`), else no copy."""
         weight = scales = input_scales = None
-        if dense is not None and dense.dtype == torch.int8 and smoothing is not None:
+        self.fallback_from_rows = 0
+        if dense is not None and dense.dtype == torch.int8 and smoothing is None and fallback is not None:
+            weight = values().to(fallback.dtype)
+            self.fallback_from_rows = max(fallback.from_rows, dense.from_rows)
+        elif dense is not None and dense.dtype == torch.int8 and smoothing is not None:
             int8_values, int8_scales = int8_per_row(values().float() * smoothing.float(),
                                                     dense.int8_precision.weight_levels)
             input_scales = 1.0 / smoothing.float()
@@ -165,6 +176,8 @@ class PackedLinear(nn.Module):
         return rows >= self.dense_from_rows
 
     def dense_forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fallback_from_rows:
+            return self.fallback_forward(x)
         if self.dense_input_scales is not None:  # an int8 copy
             smoothed = x.reshape(-1, x.shape[-1]).float() * self.dense_input_scales
             if self.fbgemm_weight is not None:
@@ -178,6 +191,30 @@ class PackedLinear(nn.Module):
             out = float_copy_linear(x, self.dense_weight)
         out = out.to(x.dtype)
         return out if self.bias is None else out + self.bias
+
+
+    def fallback_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """A step of the large steps' graph in a layer int8 leaves packed: its float copy from
+        `fallback_from_rows` rows on, the packed kernel below, chosen when the step runs where the graph
+        cannot know the rows against that count."""
+        rows = math.prod(x.shape[:-1])
+        assert self.dense_weight is not None
+        if torch.compiler.is_compiling() and not statically_known_true(rows >= self.fallback_from_rows):
+            out = self.rows_switched(x.reshape(-1, x.shape[-1]))
+        elif rows >= self.fallback_from_rows:
+            out = float_copy_linear(x.reshape(-1, x.shape[-1]), self.dense_weight)
+        else:
+            out = self.packed_forward(x.reshape(-1, x.shape[-1]))
+        out = out.view(*x.shape[:-1], self.out_features).to(x.dtype)
+        return out if self.bias is None else out + self.bias
+
+    def packed_forward(self, flat: torch.Tensor) -> torch.Tensor:
+        """The packed kernel's product of rows [rows, in], without the bias: [rows, out]."""
+        raise NotImplementedError
+
+    def rows_switched(self, flat: torch.Tensor) -> torch.Tensor:
+        """The registered op choosing between the float copy and the packed kernel when the step runs."""
+        raise NotImplementedError
 
 
 def float_copy_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -260,7 +297,7 @@ class Int8WeightOnlyLinear(PackedLinear):
     """y = x @ (q * scale)^T (+ bias), q int8 per output row."""
 
     def __init__(self, linear: nn.Linear, dense: DenseCopy | None = None,
-                 smoothing: torch.Tensor | None = None) -> None:
+                 smoothing: torch.Tensor | None = None, fallback: DenseCopy | None = None) -> None:
         super().__init__()
         quantized, scales = int8_per_row(linear.weight.detach())
         self.compute_dtype = kernel_dtype(linear.weight.dtype, linear.weight.device)
@@ -269,7 +306,7 @@ class Int8WeightOnlyLinear(PackedLinear):
         self.register_buffer("scales", kernel_scales)
         self.bias = linear.bias
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.keep_dense_copy(dense, lambda: quantized.float() * kernel_scales.float()[:, None], smoothing)
+        self.keep_dense_copy(dense, lambda: quantized.float() * kernel_scales.float()[:, None], smoothing, fallback)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.takes_dense(x):
@@ -280,9 +317,20 @@ class Int8WeightOnlyLinear(PackedLinear):
             out = torch.ops.fairlane.rows_switched_int8(flat, self.weight_int8, self.scales, self.dense_weight,
                                                         self.dense_from_rows)
         else:
-            out = torch.ops.aten._weight_int8pack_mm(flat, self.weight_int8, self.scales)
+            out = self.packed_forward(flat)
         out = out.view(*x.shape[:-1], self.out_features).to(x.dtype)
         return out if self.bias is None else out + self.bias
+
+    def packed_forward(self, flat: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = torch.ops.aten._weight_int8pack_mm(flat.to(self.compute_dtype), self.weight_int8,
+                                                               self.scales)
+        return out
+
+    def rows_switched(self, flat: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = torch.ops.fairlane.rows_switched_int8(flat.to(self.compute_dtype), self.weight_int8,
+                                                                  self.scales, self.dense_weight,
+                                                                  self.fallback_from_rows)
+        return out
 
 
 def rows_switched_int8(x: torch.Tensor, weight_int8: torch.Tensor, scales: torch.Tensor,
@@ -293,6 +341,25 @@ def rows_switched_int8(x: torch.Tensor, weight_int8: torch.Tensor, scales: torch
     if x.shape[0] >= from_rows:
         return float_copy_linear(x, dense_weight).to(x.dtype)
     out: torch.Tensor = torch.ops.aten._weight_int8pack_mm(x, weight_int8, scales)
+    return out
+
+
+def rows_switched_int4(x: torch.Tensor, packed: torch.Tensor, group_size: int, scales_and_zeros: torch.Tensor,
+                       dense_weight: torch.Tensor, from_rows: int) -> torch.Tensor:
+    """An int4 layer's multiply where a compiled graph cannot know the rows against its float copy's row count
+    (`PackedLinear.fallback_forward`), chosen when the step runs. In the compute dtype."""
+    if x.shape[0] >= from_rows:
+        return float_copy_linear(x, dense_weight).to(x.dtype)
+    return int4_packed_mm(x, packed, group_size, scales_and_zeros)
+
+
+def int4_packed_mm(flat: torch.Tensor, packed: torch.Tensor, group_size: int,
+                   scales_and_zeros: torch.Tensor) -> torch.Tensor:
+    out: torch.Tensor
+    if flat.is_cuda:
+        out = torch.ops.aten._weight_int4pack_mm(flat, packed, group_size, scales_and_zeros)
+    else:
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, packed, group_size, scales_and_zeros)
     return out
 
 
@@ -309,6 +376,15 @@ def _define_ops() -> Any:
         return x.new_empty((x.shape[0], weight_int8.shape[0]))
 
     torch.library.register_fake("fairlane::rows_switched_int8", shape, lib=library)
+    library.define("rows_switched_int4(Tensor x, Tensor packed, int group_size, Tensor scales_and_zeros, "  # type: ignore[no-untyped-call]
+                   "Tensor dense_weight, int from_rows) -> Tensor")
+    library.impl("rows_switched_int4", rows_switched_int4, "CompositeExplicitAutograd")  # type: ignore[no-untyped-call]
+
+    def int4_shape(x: torch.Tensor, packed: torch.Tensor, group_size: int, scales_and_zeros: torch.Tensor,
+                   dense_weight: torch.Tensor, from_rows: int) -> torch.Tensor:
+        return x.new_empty((x.shape[0], dense_weight.shape[0]))
+
+    torch.library.register_fake("fairlane::rows_switched_int4", int4_shape, lib=library)
     library.define("fbgemm_int8_mm(Tensor x, int handle, int out_features) -> Tensor")  # type: ignore[no-untyped-call]
     library.impl("fbgemm_int8_mm", fbgemm_int8_mm, "CompositeExplicitAutograd")  # type: ignore[no-untyped-call]
 
@@ -337,8 +413,11 @@ def int4_groups(weight: torch.Tensor, group_size: int = INT4_GROUP_SIZE
 class Int4WeightOnlyLinear(PackedLinear):
     """y = x @ W^T (+ bias) with W stored as 4-bit groups; the kernel computes (q - 8) * scale + zero."""
 
+    packed: torch.Tensor
+    scales_and_zeros: torch.Tensor  # [K/g, N, 2]
+
     def __init__(self, linear: nn.Linear, group_size: int = INT4_GROUP_SIZE, dense: DenseCopy | None = None,
-                 smoothing: torch.Tensor | None = None) -> None:
+                 smoothing: torch.Tensor | None = None, fallback: DenseCopy | None = None) -> None:
         super().__init__()
         q, scales, minimums = int4_groups(linear.weight.detach(), group_size)
         zeros = minimums + 8.0 * scales
@@ -350,20 +429,23 @@ class Int4WeightOnlyLinear(PackedLinear):
         self.group_size = group_size
         self.bias = linear.bias
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.keep_dense_copy(dense, lambda: int4_dequantized(q, scales_and_zeros, group_size), smoothing)
+        self.keep_dense_copy(dense, lambda: int4_dequantized(q, scales_and_zeros, group_size), smoothing, fallback)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.takes_dense(x):
             return self.dense_forward(x)
-        flat = x.reshape(-1, x.shape[-1]).to(self.compute_dtype)
-        out: torch.Tensor
-        if flat.is_cuda:
-            out = torch.ops.aten._weight_int4pack_mm(flat, self.packed, self.group_size, self.scales_and_zeros)
-        else:
-            out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, self.group_size,
-                                                             self.scales_and_zeros)
+        out = self.packed_forward(x.reshape(-1, x.shape[-1]))
         out = out.view(*x.shape[:-1], self.out_features).to(x.dtype)
         return out if self.bias is None else out + self.bias
+
+    def packed_forward(self, flat: torch.Tensor) -> torch.Tensor:
+        return int4_packed_mm(flat.to(self.compute_dtype), self.packed, self.group_size, self.scales_and_zeros)
+
+    def rows_switched(self, flat: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = torch.ops.fairlane.rows_switched_int4(flat.to(self.compute_dtype), self.packed,
+                                                                  self.group_size, self.scales_and_zeros,
+                                                                  self.dense_weight, self.fallback_from_rows)
+        return out
 
 
 def int4_dequantized(q: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -404,17 +486,19 @@ def layer_modes(model: Any, mode: Quantization) -> dict[str, Quantization]:
 
 
 def packed_linear(linear: nn.Linear, mode: Quantization, dense: DenseCopy | None = None,
-                  smoothing: torch.Tensor | None = None) -> PackedLinear:
+                  smoothing: torch.Tensor | None = None, fallback: DenseCopy | None = None) -> PackedLinear:
     if mode == "int8":
-        return Int8WeightOnlyLinear(linear, dense, smoothing)
-    return Int4WeightOnlyLinear(linear, dense=dense, smoothing=smoothing)
+        return Int8WeightOnlyLinear(linear, dense, smoothing, fallback)
+    return Int4WeightOnlyLinear(linear, dense=dense, smoothing=smoothing, fallback=fallback)
 
 
 def quantize_linears(model: Any, mode: Quantization, dense: DenseCopy | None = None,
-                     smoothing: Mapping[str, torch.Tensor] | None = None, head: DenseCopy | None = None) -> int:
+                     smoothing: Mapping[str, torch.Tensor] | None = None, head: DenseCopy | None = None,
+                     fallback: DenseCopy | None = None) -> int:
     """Replace every nn.Linear of the model (the LM head included) in place, each with the dense copy
-    asked for, if any (an int8 copy only for the layers `smoothing` names); the LM head with `head`'s,
-    chosen by its rows when the step runs. Returns how many were replaced."""
+    asked for, if any (an int8 copy only for the layers `smoothing` names, the others `fallback`'s float
+    copy if given); the LM head with `head`'s, chosen by its rows when the step runs. Returns how many were
+    replaced."""
     modes = layer_modes(model, mode)
     kept = [name for name, linear in model.named_modules() if isinstance(linear, nn.Linear) and name not in modes]
     if kept and mode != "none":
@@ -427,7 +511,7 @@ def quantize_linears(model: Any, mode: Quantization, dense: DenseCopy | None = N
             layer.switches_at_run_time = isinstance(layer, Int8WeightOnlyLinear)
         else:
             layer_smoothing = None if smoothing is None else smoothing.get(name)
-            layer = packed_linear(model.get_submodule(name), layer_mode, dense, layer_smoothing)
+            layer = packed_linear(model.get_submodule(name), layer_mode, dense, layer_smoothing, fallback)
         model.set_submodule(name, layer)
     return len(modes)
 

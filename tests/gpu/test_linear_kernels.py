@@ -32,6 +32,7 @@ from gpu.quantization import (
     PackedLinear,
     fbgemm_available,
     fbgemm_dynamic_linear,
+    head_layer_name,
     int4_groups,
     int8_dynamic_linear,
     int8_per_row,
@@ -111,6 +112,76 @@ def test_the_fastest_dense_dtype_is_the_one_kept() -> None:
     assert (plan.dense_dtype, plan.dense_from_rows) == (torch.bfloat16, 1)
 
 
+def test_past_an_int8_win_the_float_copies_are_timed_on_for_the_layers_the_calibration_leaves_packed() -> None:
+    """int8 copies win from 8 rows; bfloat16 ones only from 64: those are what a layer int8 leaves packed keeps
+    (from 64 rows), timed on past the int8 decision without the int8 kernel. A float winner needs no fallback."""
+    def time_step(rows: int, kernel: str) -> float:
+        packed = 1.0 * rows
+        times = {"packed": packed, "int8": packed * (0.5 if rows >= 8 else 2.0),
+                 "bfloat16": packed * (0.8 if rows >= 64 else 1.2)}
+        return times[kernel] / 1e3
+
+    plan = measure_plan(time_step, ["bfloat16", "int8"])
+    assert plan.dense == DenseCopy(torch.int8, 8) and plan.fallback == DenseCopy(torch.bfloat16, 64)
+    assert plan.step_linears_ms is not None and max(plan.step_linears_ms) == 128  # confirmed at 128
+    assert all("int8" in row for rows, row in plan.step_linears_ms.items() if rows <= 12)
+    assert all(set(row) == {"packed", "bfloat16"} for rows, row in plan.step_linears_ms.items() if rows > 12)
+    assert linear_kernels.plan_from_json(json.loads(json.dumps(linear_kernels.plan_as_json(plan)))).fallback == \
+        plan.fallback
+    assert plan.graph_variant() == "+dense-int8-from8+fallback-bfloat16-from64"
+    assert "the layers without one packed below 64 rows, bfloat16 copies from there" in plan.describe()
+    floats_win = measure_plan(lambda rows, kernel: (0.5 if kernel == "bfloat16" else 1.0) / 1e3, ["bfloat16"])
+    assert floats_win.dense == DenseCopy(torch.bfloat16, 1) and floats_win.fallback is None
+
+
+@pytest.mark.parametrize("kind", [Int4WeightOnlyLinear, Int8WeightOnlyLinear])
+def test_a_layer_int8_leaves_packed_takes_its_float_copy_from_its_own_row_count_eagerly_and_compiled(
+        kind: type[PackedLinear]) -> None:
+    """No smoothing (the calibration's verdict): no int8 copy, but the fallback's bfloat16 copy, from 16 rows in
+    a graph of steps from 8 rows on, chosen when the step runs (one graph); below 16 the packed kernel's result."""
+    torch.manual_seed(3)
+    linear = nn.Linear(128, 64, bias=True)
+    layer = kind(linear, dense=DenseCopy(torch.int8, 8), fallback=DenseCopy(torch.bfloat16, 16))
+    packed_only = kind(linear)
+    assert layer.dense_weight is not None and layer.dense_weight.dtype == torch.bfloat16
+    assert layer.dense_input_scales is None and (layer.dense_from_rows, layer.fallback_from_rows) == (8, 16)
+
+    def large_step(x: torch.Tensor) -> torch.Tensor:  # as the large steps' graph: told the rows reach 8
+        torch._check(x.shape[0] >= 8)  # type: ignore[no-untyped-call]
+        out: torch.Tensor = layer(x)
+        return out
+
+    torch._dynamo.reset()
+    before = compilations_so_far()
+    compiled = torch.compile(large_step, fullgraph=True)
+    for rows in (9, 20, 15, 16):
+        x = torch.randn(rows, 128)
+        torch._dynamo.decorators.mark_unbacked(x, 0)
+        with torch.inference_mode():
+            out, eager, packed = compiled(x), layer(x), packed_only(x)
+            copy_ = nn.functional.linear(x.bfloat16(), layer.dense_weight).float() + linear.bias
+        torch.testing.assert_close(out, eager)
+        assert torch.equal(eager, packed) == (rows < 16)
+        if rows >= 16:
+            torch.testing.assert_close(eager, copy_)
+        torch.testing.assert_close(out, packed, atol=0.05, rtol=0.02)  # the same values, in bfloat16
+    assert compilations_so_far() - before == 1
+
+
+def test_only_the_layers_without_smoothing_keep_the_fallback_copy() -> None:
+    model = build_builtin("tiny", seed=0)
+    head = head_layer_name(model)
+    names = [name for name in layer_modes(model, "int4") if name != head]  # the packed layers, the head apart
+    assert len(names) >= 2
+    calibrated = {name: torch.ones(model.get_submodule(name).in_features) for name in names[::2]}
+    quantize_linears(model, "int4", DenseCopy(torch.int8, 8), calibrated, fallback=DenseCopy(torch.bfloat16, 64))
+    for name in names:
+        layer = model.get_submodule(name)
+        assert isinstance(layer, PackedLinear) and layer.dense_weight is not None
+        expected = (torch.int8, 0) if name in calibrated else (torch.bfloat16, 64)
+        assert (layer.dense_weight.dtype, layer.fallback_from_rows) == expected
+
+
 def test_the_plan_is_measured_once_per_machine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     model = build_builtin("tiny", seed=0)
     calls: list[int] = []
@@ -184,7 +255,10 @@ def test_a_real_measurement_times_every_kernel_up_to_its_decision(tmp_path: Path
                                native_bfloat16=False, cache_dir=tmp_path)
     assert plan.step_linears_ms is not None
     kernels = {"packed", "float32", "int8"}  # int8 copies on a CPU (on fbgemm only under auto-fbgemm)
-    assert all(set(row) == kernels and min(row.values()) > 0 for row in plan.step_linears_ms.values())
+    # Past an int8 win, only the float copies go on (for the layers the calibration leaves packed).
+    assert all({"packed", "float32"} <= set(row) <= kernels and min(row.values()) > 0
+               for row in plan.step_linears_ms.values())
+    assert set(plan.step_linears_ms[ROW_BUCKETS[0]]) == kernels
     if plan.dense_from_rows is None:  # no dense win: every bucket was timed
         assert plan.dense_dtype is None and sorted(plan.step_linears_ms) == list(ROW_BUCKETS)
     # The LM head is planned apart, on float copies only: an int8 copy's activations would round the logits.
@@ -351,7 +425,9 @@ def test_auto_fbgemm_times_the_fbgemm_copies_beside_the_others(tmp_path: Path) -
     plan = plan_linear_kernels(build_builtin("tiny", seed=0), "int4", torch.float32, torch.device("cpu"),
                                native_bfloat16=False, choice="auto-fbgemm", cache_dir=tmp_path)
     assert plan.step_linears_ms is not None
-    assert all(linear_kernels.FBGEMM_KERNEL in row for row in plan.step_linears_ms.values())
+    # Every bucket up to the dense decision; past an int8 win only the float copies go on (`KernelPlan.fallback`).
+    timed = [rows for rows, row in plan.step_linears_ms.items() if linear_kernels.FBGEMM_KERNEL in row]
+    assert timed == list(ROW_BUCKETS[:len(timed)]) and len(timed) >= 2
 
 
 def test_an_fbgemm_plan_names_its_gemm_on_disk_and_in_its_graphs() -> None:

@@ -331,7 +331,7 @@ def load_model(spec: str, *, device: str = "auto", dtype: str = "auto", seed: in
     if plan.dense is not None and plan.dense.dtype == torch.int8:
         smoothing = calibrate_int8_copies(model, mode, tokenizer, precision=plan.dense.int8_precision)
         if not smoothing:  # no layer keeps an int8 copy: no large steps' graph to compile for nothing
-            plan = dataclasses.replace(plan, dense=None)
+            plan = dataclasses.replace(plan, dense=None, fallback=None)
     quantize_linears(model, mode, plan.dense, smoothing, plan.head, plan.fallback)
     if plan.dense is not None or plan.head is not None:
         logger.info("dense copies: %s; %.0f MiB", plan.describe(), dense_copy_bytes(model) / 2**20)

@@ -462,10 +462,12 @@ def test_calibration_smooths_the_layers_int8_keeps_close_and_never_the_head() ->
 def test_a_layer_past_the_error_bound_keeps_no_int8_copy(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(calibration, "INT8_MAX_ERROR", 0.0)
     assert calibration.calibrate_int8_copies(build_builtin("tiny", seed=0), "int8", ByteTokenizer()) == {}
-    # No layer with a copy: the plan keeps none, so no runner compiles a large steps' graph for nothing.
-    monkeypatch.setattr(linear_kernels, "measure_plan", lambda *_: KernelPlan(DenseCopy(torch.int8, 4)))
+    # No layer with a copy: the plan keeps none (nor float copies in their place), so no runner compiles a
+    # large steps' graph for nothing.
+    plan = KernelPlan(DenseCopy(torch.int8, 4), fallback=DenseCopy(torch.bfloat16, 16))
+    monkeypatch.setattr(linear_kernels, "measure_plan", lambda *_: plan)
     loaded = load_model("builtin:tiny", device="cpu", dtype="float32", quantization="int8", linear_kernels="auto")
-    assert loaded.kernel_plan.dense is None
+    assert loaded.kernel_plan.dense is None and loaded.kernel_plan.fallback is None
     assert all(m.dense_weight is None for m in loaded.model.modules() if isinstance(m, PackedLinear))
 
 

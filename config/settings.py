@@ -169,6 +169,11 @@ class Settings(BaseModel):
     # chunk, not the whole prompt.
     interactive_long_prompt_chunk_budgets: float = Field(default=4.0, ge=1.0)
     interactive_long_prompt_chunk_window_s: float = Field(default=60.0, ge=0)
+    # After a step that ended an interactive request, wait up to this long for the client's next request
+    # before planning the next step, so that it starts in that step (a closed-loop chat or agent sends it
+    # within a few milliseconds of the last token); only while such waits catch requests, and within 5% of
+    # the engine's time (scheduling/follow_up.py). 0: off.
+    interactive_follow_up_wait_ms: float = Field(default=6.0, ge=0, le=100)
     enable_prefix_caching: bool = True
     queue_policy: Literal["vtc", "fcfs"] = "vtc"
     # Within each tenant's line under vtc (scheduling/queue_order.py): fcfs, hrrn (highest response ratio

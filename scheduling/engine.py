@@ -22,6 +22,7 @@ from typing import Any, Protocol
 
 from contract.plan import CacheGeometry, StepPlan, StepResult
 from scheduling.executor import Executor
+from scheduling.follow_up import FollowUpWait
 from scheduling.gc_pacing import PacedCollector
 from scheduling.prefix_cache import prompt_block_hashes
 from scheduling.request import PriorityClass, Request, RequestId, RequestStatus, TokenEvent
@@ -164,6 +165,7 @@ class EngineFront(abc.ABC):
         self._idle = asyncio.Event()  # set while no request is in flight
         self._idle.set()
         self._accepting = True
+        self._ended_interactive = False  # an interactive request ended (stop or length) since the last step
 
     # ---- what each kind of engine does its own way ------------------------------------------
 
@@ -220,6 +222,8 @@ class EngineFront(abc.ABC):
             if stream is None:
                 continue
             if event.is_final:
+                if stream.request.priority is PriorityClass.INTERACTIVE and event.finish_reason in ("stop", "length"):
+                    self._ended_interactive = True  # its client may send the next one at once (scheduling/follow_up.py)
                 del self._streams[event.request_id]
                 self._in_flight_by_tenant[stream.request.tenant_id] -= 1
                 if not self._streams:
@@ -332,10 +336,12 @@ class Engine(EngineFront):
 
     def __init__(self, scheduler: Scheduler, executor: Executor, *, max_queued_requests: int = 1024,
                  batch_queue_fraction: float = 0.75, stall_after_s: float = 60.0,
-                 step_thread: ThreadPoolExecutor | None = None, calibrate: bool = False) -> None:
+                 step_thread: ThreadPoolExecutor | None = None, calibrate: bool = False,
+                 follow_up: FollowUpWait | None = None) -> None:
         super().__init__(executor, scheduler.geometry, scheduler.tenants, max_queued_requests=max_queued_requests,
                          batch_queue_fraction=batch_queue_fraction, stall_after_s=stall_after_s)
         self.scheduler = scheduler
+        self.follow_up = follow_up or FollowUpWait()  # off unless asked (scheduling/follow_up.py)
         self._snapshot = scheduler.snapshot()
         # What the engine reads of the scheduler's configuration, once: after this only its task touches it.
         self._hash_block_size = scheduler.geometry.block_size if scheduler.config.enable_prefix_caching else None
@@ -464,6 +470,9 @@ class Engine(EngineFront):
             "busy_seconds": round(self.times.busy_seconds, 6),
             "paced_gc": {"collections_by_generation": list(self.collector.collections),
                          "seconds": round(self.collector.seconds, 6)},
+            "follow_up_waits": {"waits": self.follow_up.counters.waits, "caught": self.follow_up.counters.caught,
+                                "seconds": round(self.follow_up.counters.waited_s, 6),
+                                "hit_rate": round(self.follow_up.hit_rate, 3)},
         }
 
     # ---- the loop -------------------------------------------------------------------------
@@ -518,8 +527,22 @@ class Engine(EngineFront):
         self.scheduler.observe_step_time(plan, seconds)
         self._snapshot = self.scheduler.snapshot()
         self._account(plan, result, seconds)
+        self.follow_up.earn(seconds)
         if plan.is_empty:
             await self._wait_for_a_command(EMPTY_STEP_BACKOFF_S)
+        elif self._ended_interactive:
+            await self._wait_for_follow_up()
+
+    async def _wait_for_follow_up(self) -> None:
+        """After a step that ended an interactive request: a moment for its client's next request, so that it
+        starts in the next step (scheduling/follow_up.py). Not while a request already waits for that step."""
+        self._ended_interactive = False
+        if self._incoming or len(self.scheduler.waiting[PriorityClass.INTERACTIVE]) or not self.follow_up.should_wait():
+            return
+        started = time.perf_counter()
+        await self._wait_for_a_command(self.follow_up.wait_s)
+        caught = any(request.priority is PriorityClass.INTERACTIVE for request in self._incoming)
+        self.follow_up.record(time.perf_counter() - started, caught)
 
     def _may_calibrate(self) -> bool:
         """Calibration waits for an idle engine (no request waits on it; served steps teach the model

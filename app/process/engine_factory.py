@@ -15,6 +15,7 @@ from gpu.lora import LoraServing
 from gpu.models import LoadedModel, load_model
 from gpu.runner import ModelRunner, RunnerBudget
 from scheduling.engine import Engine
+from scheduling.follow_up import FollowUpWait
 from scheduling.scheduler import Scheduler, SchedulerConfig
 from scheduling.speculation import SpeculationConfig
 from scheduling.step_shaper import ShapingConfig
@@ -168,4 +169,5 @@ def build_engine(settings: Settings, loaded: LoadedModel | None = None, tenants:
     return Engine(scheduler, runner, max_queued_requests=settings.max_queued_requests,
                   batch_queue_fraction=settings.batch_queue_fraction,
                   stall_after_s=settings.engine_stall_s, step_thread=step_thread,
-                  calibrate=settings.step_shaping), runner
+                  calibrate=settings.step_shaping,
+                  follow_up=FollowUpWait(settings.interactive_follow_up_wait_ms / 1000)), runner

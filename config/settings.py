@@ -144,7 +144,7 @@ class Settings(BaseModel):
     interactive_itl_decodes: float = Field(default=2.0, ge=0.0)  # and at least this x a lone decode step's time,
     # and at least the interactive work's own time / (1 - this): the share of the streams' time batch work takes
     # on average beside them, in steps of its own (their median gap stays their own steps').
-    interactive_batch_share: float = Field(default=0.35, ge=0.0, lt=1.0)
+    interactive_batch_share: float = Field(default=0.55, ge=0.0, lt=1.0)
     # Another tenant's batch work beside a tenant's interactive requests: each step held to this x a lone decode
     # step (or the slack's target, if higher), never carried over: one tenant's batch does not take another's
     # streams to interactive_itl_decodes (scheduling/step_shaper.py).

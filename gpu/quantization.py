@@ -192,7 +192,6 @@ class PackedLinear(nn.Module):
         out = out.to(x.dtype)
         return out if self.bias is None else out + self.bias
 
-
     def fallback_forward(self, x: torch.Tensor) -> torch.Tensor:
         """A step of the large steps' graph in a layer int8 leaves packed: its float copy from
         `fallback_from_rows` rows on, the packed kernel below, chosen when the step runs where the graph

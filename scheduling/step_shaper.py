@@ -66,6 +66,11 @@ from scheduling.request import PriorityClass, Request
 from scheduling.step_builder import StepBuilder
 from scheduling.step_cost import ATTENTION_UNIT, StepCostModel, StepWork
 
+# The derived target stays this far below the arrival budget: a step given the saved-up room runs past it, and
+# is counted as spending it (`_settle`). A target cut to the budget itself was never passed, and batch work
+# joined every step (a large batch share where the streams' own step is near two lone decodes).
+SHARE_CEILING_FRACTION = 0.9
+
 
 @dataclass(slots=True, frozen=True)
 class ShapingConfig:
@@ -73,7 +78,7 @@ class ShapingConfig:
     interactive_itl_target_s: float | None = None  # a fixed target; None derives it from the interactive work
     interactive_itl_slack: float = 1.1  # the derived target: this times the interactive work's predicted time,
     interactive_itl_decodes: float = 2.0  # and at least this times a lone decode step's measured time,
-    interactive_batch_share: float = 0.35  # and at least the streams' own work / (1 - this): batch's share of time
+    interactive_batch_share: float = 0.55  # and at least the streams' own work / (1 - this): batch's share of time
     interactive_itl_decodes_cross_tenant: float = 1.3  # the same, per step, for batch work of another tenant
     served_less_step_slack: float = 1.3  # others' batch may grow a step of the least-served tenant's by this much
     interactive_ttft_slack: float = 1.0  # a step starting an interactive prompt: this times its interactive work
@@ -228,6 +233,8 @@ class StepShaper:
             ceiling = max(arrival_budget, predicted)
             target = min(target, ceiling)
             derived = self._derives_target(tenant_target_s, starts_a_prompt)
+            if derived:
+                target = min(target, max(predicted, SHARE_CEILING_FRACTION * ceiling))
             credit_s = self._credit_s if derived else 0.0  # a fixed target bounds every step: nothing carried
             room = max(0.0, min(target - predicted + credit_s, ceiling - predicted))
             spends = not derived or (_is_full(room, ceiling - predicted)

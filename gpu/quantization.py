@@ -208,12 +208,13 @@ class PackedLinear(nn.Module):
         return out if self.bias is None else out + self.bias
 
     def packed_forward(self, flat: torch.Tensor) -> torch.Tensor:
-        """The packed kernel's product of rows [rows, in], without the bias: [rows, out]."""
-        raise NotImplementedError
+        """The packed kernel's product of rows [rows, in], without the bias: [rows, out]. Each packed layer
+        has its own; a layer with none (the plan's timing of a dense copy alone) never keeps a fallback."""
+        raise TypeError(f"{type(self).__name__} has no packed kernel")
 
     def rows_switched(self, flat: torch.Tensor) -> torch.Tensor:
         """The registered op choosing between the float copy and the packed kernel when the step runs."""
-        raise NotImplementedError
+        raise TypeError(f"{type(self).__name__} has no packed kernel")
 
 
 def float_copy_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

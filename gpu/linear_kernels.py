@@ -323,7 +323,7 @@ def measure_plan(time_step: StepTimer, candidates: list[str]) -> KernelPlan:
     dense = first_confirmed_win(time_step, ["packed", *candidates], ROW_BUCKETS, timings)
     if dense is None:
         return KernelPlan(step_linears_ms=timings)
-    floats = [kernel for kernel in candidates if dense_copy_of(kernel, 1).dtype.is_floating_point]
+    floats = float_kernels(candidates)
     fallback = None
     if dense.dtype == torch.int8 and floats:
         larger = [rows for rows in ROW_BUCKETS if rows >= dense.from_rows]
@@ -347,6 +347,11 @@ def first_confirmed_win(time_step: StepTimer, kernels: list[str], buckets: list[
         if len(streak) >= CONFIRMING_BUCKETS:
             return dense_copy_of(fastest, streak[0])
     return None
+
+
+def float_kernels(candidates: list[str]) -> list[str]:
+    """The candidates whose copies are float (an int8 copy's activations are rounded)."""
+    return [kernel for kernel in candidates if dense_copy_of(kernel, 1).dtype.is_floating_point]
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -467,9 +472,8 @@ def measure_head(head: Layout, device: torch.device, dtype: torch.dtype, candida
     """The head's plan, on float copies only (an int8 copy's activations would round the logits), timed over
     copies of it that outgrow the cache: a step reads every other layer between two heads."""
     linear = sample_layers(Counter([head]), device, dtype)[head]
-    floats = [kernel for kernel in candidates if dense_copy_of(kernel, 1).dtype.is_floating_point]
     return measure_plan(lambda rows, kernel: time_layer(linear, head[2], rows, kernel, HEAD_COPIES, MIN_SECONDS),
-                        floats)
+                        float_kernels(candidates))
 
 
 def timings_text(timings: dict[int, dict[str, float]] | None) -> str:

@@ -196,14 +196,14 @@ class PackedLinear(nn.Module):
         """A step of the large steps' graph in a layer int8 leaves packed: its float copy from
         `fallback_from_rows` rows on, the packed kernel below, chosen when the step runs where the graph
         cannot know the rows against that count."""
-        rows = math.prod(x.shape[:-1])
+        flat, rows = x.reshape(-1, x.shape[-1]), math.prod(x.shape[:-1])
         assert self.dense_weight is not None
         if torch.compiler.is_compiling() and not statically_known_true(rows >= self.fallback_from_rows):
-            out = self.rows_switched(x.reshape(-1, x.shape[-1]))
+            out = self.rows_switched(flat, self.fallback_from_rows)
         elif rows >= self.fallback_from_rows:
-            out = float_copy_linear(x.reshape(-1, x.shape[-1]), self.dense_weight)
+            out = float_copy_linear(flat, self.dense_weight)
         else:
-            out = self.packed_forward(x.reshape(-1, x.shape[-1]))
+            out = self.packed_forward(flat)
         out = out.view(*x.shape[:-1], self.out_features).to(x.dtype)
         return out if self.bias is None else out + self.bias
 
@@ -212,8 +212,9 @@ class PackedLinear(nn.Module):
         has its own; a layer with none (the plan's timing of a dense copy alone) never keeps a fallback."""
         raise TypeError(f"{type(self).__name__} has no packed kernel")
 
-    def rows_switched(self, flat: torch.Tensor) -> torch.Tensor:
-        """The registered op choosing between the float copy and the packed kernel when the step runs."""
+    def rows_switched(self, flat: torch.Tensor, from_rows: int) -> torch.Tensor:
+        """The registered op choosing when the step runs: the float copy from `from_rows` rows on, the packed
+        kernel below."""
         raise TypeError(f"{type(self).__name__} has no packed kernel")
 
 
@@ -311,11 +312,9 @@ class Int8WeightOnlyLinear(PackedLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.takes_dense(x):
             return self.dense_forward(x)
-        flat = x.reshape(-1, x.shape[-1]).to(self.compute_dtype)
-        out: torch.Tensor
+        flat = x.reshape(-1, x.shape[-1])
         if self.switches_at_run_time and self.dense_weight is not None and torch.compiler.is_compiling():
-            out = torch.ops.fairlane.rows_switched_int8(flat, self.weight_int8, self.scales, self.dense_weight,
-                                                        self.dense_from_rows)
+            out = self.rows_switched(flat, self.dense_from_rows)
         else:
             out = self.packed_forward(flat)
         out = out.view(*x.shape[:-1], self.out_features).to(x.dtype)
@@ -326,10 +325,9 @@ class Int8WeightOnlyLinear(PackedLinear):
                                                                self.scales)
         return out
 
-    def rows_switched(self, flat: torch.Tensor) -> torch.Tensor:
+    def rows_switched(self, flat: torch.Tensor, from_rows: int) -> torch.Tensor:
         out: torch.Tensor = torch.ops.fairlane.rows_switched_int8(flat.to(self.compute_dtype), self.weight_int8,
-                                                                  self.scales, self.dense_weight,
-                                                                  self.fallback_from_rows)
+                                                                  self.scales, self.dense_weight, from_rows)
         return out
 
 
@@ -441,10 +439,10 @@ class Int4WeightOnlyLinear(PackedLinear):
     def packed_forward(self, flat: torch.Tensor) -> torch.Tensor:
         return int4_packed_mm(flat.to(self.compute_dtype), self.packed, self.group_size, self.scales_and_zeros)
 
-    def rows_switched(self, flat: torch.Tensor) -> torch.Tensor:
+    def rows_switched(self, flat: torch.Tensor, from_rows: int) -> torch.Tensor:
         out: torch.Tensor = torch.ops.fairlane.rows_switched_int4(flat.to(self.compute_dtype), self.packed,
                                                                   self.group_size, self.scales_and_zeros,
-                                                                  self.dense_weight, self.fallback_from_rows)
+                                                                  self.dense_weight, from_rows)
         return out
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 HIT_RATE_WEIGHT = 0.1  # of the newest wait in the hit rate's average: about the last ten count
+BUDGET_WAITS = 4  # the most waiting time saved up, in waits
 
 
 @dataclass(slots=True)
@@ -36,18 +37,15 @@ class FollowUpWait:
     probe_every: int = 8
     hit_rate: float = 1.0  # recent waits that caught a request; a fresh engine expects them to
     counters: FollowUpCounters = field(default_factory=FollowUpCounters)
-    _budget_s: float = -1.0  # waiting time earned and not spent (starts full, see __post_init__)
-    _passed: int = 0  # waits passed over while the hit rate is low, since the last probe
+    _budget_s: float = field(init=False)  # waiting time earned and not spent, at most BUDGET_WAITS waits
+    _passed: int = field(init=False, default=0)  # waits passed over while the hit rate is low, since the last probe
 
     def __post_init__(self) -> None:
-        self._budget_s = self._most_budget_s()
-
-    def _most_budget_s(self) -> float:
-        return 4 * self.wait_s
+        self._budget_s = BUDGET_WAITS * self.wait_s  # a fresh engine may wait at once
 
     def earn(self, step_s: float) -> None:
         """A step ran for step_s: the waits may take their share of it."""
-        self._budget_s = min(self._budget_s + self.max_share * step_s, self._most_budget_s())
+        self._budget_s = min(self._budget_s + self.max_share * step_s, BUDGET_WAITS * self.wait_s)
 
     def should_wait(self) -> bool:
         if self.wait_s <= 0 or self._budget_s < self.wait_s:

@@ -231,10 +231,8 @@ class StepShaper:
             if self.config.interactive_itl_target_s is None and starts_a_prompt:
                 target = min(target, self.config.interactive_ttft_slack * predicted)
             ceiling = max(arrival_budget, predicted)
-            target = min(target, ceiling)
             derived = self._derives_target(tenant_target_s, starts_a_prompt)
-            if derived:
-                target = min(target, max(predicted, SHARE_CEILING_FRACTION * ceiling))
+            target = min(target, max(predicted, SHARE_CEILING_FRACTION * ceiling) if derived else ceiling)
             credit_s = self._credit_s if derived else 0.0  # a fixed target bounds every step: nothing carried
             room = max(0.0, min(target - predicted + credit_s, ceiling - predicted))
             spends = not derived or (_is_full(room, ceiling - predicted)

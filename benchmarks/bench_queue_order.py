@@ -7,7 +7,11 @@ Arrivals run for --duration virtual seconds at about 1.3x what the executor serv
 drains. The executor's step costs a fixed 20 ms plus 1.8 ms per token fed, the default model's line on an
 AVX2 EPYC (`/stats` step_cost). Reported per order: mean and p99 TTFT, the p99 TTFT of the longest
 prompt bucket (the documents), the output-length predictor's rank correlation, and Jain's index of the two
-tenants' service while both were backlogged; and each against FCFS.
+tenants' service while both were backlogged; and each against FCFS. Service and backlog are VTC's own, as in
+the fairness tests: w_p per prompt token computed and w_q per token generated, while each tenant has a
+request unfinished (waiting or running). Counted while both had one *waiting* instead, the index moves with
+the order even where VTC's counters stay level: a tenant whose line empties while its requests still run
+keeps being charged, and catches up in the steps the narrower window counts.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.fake_executors import FakeExecutor, LinearStepCost
-from contract.plan import CacheGeometry
+from contract.plan import CacheGeometry, StepPlan
 from loadtest.mixed import LONG_BUCKET, TraceRequest, poisson_trace
 from scheduling.queue_order import QUEUE_ORDERS, QueueOrderName
 from scheduling.request import PriorityClass, Request, RequestId
@@ -58,7 +62,7 @@ def run_order(order: QueueOrderName, trace: list[TraceRequest], seed: int, aging
     executor = FakeExecutor(geometry, COST, keep_plans=False)
     requests: list[Request] = []
     pending = list(trace)
-    served: dict[str, int] = dict.fromkeys(TENANTS, 0)
+    served: dict[str, float] = dict.fromkeys(TENANTS, 0.0)
     while pending or scheduler.has_work():
         while pending and pending[0].arrival_s <= clock.now:
             item = pending.pop(0)
@@ -69,11 +73,9 @@ def run_order(order: QueueOrderName, trace: list[TraceRequest], seed: int, aging
             clock.now = pending[0].arrival_s
             continue
         plan = scheduler.schedule()
-        backlogged = all(scheduler.waiting[PriorityClass.INTERACTIVE].queued_by_tenant().get(t) for t in TENANTS)
-        for seq in plan.sequences:
-            tenant = scheduler.requests[RequestId(seq.request_id)].tenant_id
-            if backlogged:
-                served[tenant] += len(seq.token_ids)
+        backlogged = set(TENANTS) <= scheduler.load.backlogged(PriorityClass.INTERACTIVE)
+        if backlogged:
+            _add_service(served, plan, scheduler)
         starting = [scheduler.requests[RequestId(s.request_id)] for s in plan.sequences if s.needs_sample]
         starting = [r for r in starting if r.first_token_time is None]
         result = executor.execute(plan)
@@ -84,6 +86,17 @@ def run_order(order: QueueOrderName, trace: list[TraceRequest], seed: int, aging
     return _summary(order, requests, served, scheduler)
 
 
+def _add_service(served: dict[str, float], plan: StepPlan, scheduler: Scheduler) -> None:
+    """Each tenant's service in the step, as VTC counts it and the fairness tests measure it: w_p per
+    prompt token computed, w_q per token generated."""
+    weights = scheduler.config.service_weights
+    for seq in plan.sequences:
+        request = scheduler.requests[RequestId(seq.request_id)]
+        prompt_end = min(seq.start_position + len(seq.token_ids), request.num_prompt_tokens)
+        prompt_computed = max(0, prompt_end - seq.start_position)
+        served[request.tenant_id] += weights.prompt * prompt_computed + weights.decode * seq.needs_sample
+
+
 def _request(item: TraceRequest, number: int, seed: int) -> Request:
     rng = random.Random(f"{seed}-{number}")
     prompt = [rng.randrange(256) for _ in range(item.prompt_tokens)]
@@ -92,7 +105,7 @@ def _request(item: TraceRequest, number: int, seed: int) -> Request:
                    arrival_time=item.arrival_s)
 
 
-def _summary(order: str, requests: list[Request], served: dict[str, int], scheduler: Scheduler) -> dict[str, Any]:
+def _summary(order: str, requests: list[Request], served: dict[str, float], scheduler: Scheduler) -> dict[str, Any]:
     ttfts = sorted(r.first_token_time - r.arrival_time for r in requests if r.first_token_time is not None)
     longest = sorted(r.first_token_time - r.arrival_time for r in requests
                      if r.first_token_time is not None and r.num_prompt_tokens >= LONG_BUCKET)

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from contract.plan import SamplingParams, ScheduledSequence, TokenLogprobs
-from gpu.sampler import Sampler, filtered_probs, logprobs_of_rows, process_logits
+from gpu.sampler import Sampler, draw_from, filtered_probs, logprobs_of_rows, process_logits, uniform_draws
 from gpu.structured import TokenMasks
 
 
@@ -113,8 +113,8 @@ def _sampled(sampler: Sampler, seq: ScheduledSequence, rows: _Rows, probs: torch
 
 
 def _draw_one(weights: torch.Tensor, generator: torch.Generator) -> int:
-    """One token drawn in proportion to `weights` (multinomial renormalizes)."""
-    return int(torch.multinomial(weights, 1, generator=generator)[0])
+    """One token drawn in proportion to `weights` (they need not sum to 1)."""
+    return int(draw_from(weights[None], uniform_draws(1, generator))[0])
 
 
 def _logprobs(logits: torch.Tensor, sequences: Sequence[ScheduledSequence], layout: list[_Rows],

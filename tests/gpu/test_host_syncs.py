@@ -112,8 +112,9 @@ def test_a_mixed_step_with_sampling_stays_within_its_budget(runner: ModelRunner)
     sequences = [*decodes(3), prompt_chunk("fresh", 0, 13, 100), prompt_chunk("cached", 16, 5, 120)]
     reads = reads_in_step(runner, sequences)
     # the sampled tokens, and the prefill layout (a CPU tensor by design: no wait on a GPU) read as
-    # numbers by the attention of each layer
-    assert sum(reads.values()) <= 1 + runner.model.config.num_hidden_layers, reads
+    # numbers by the attention of each layer; and on the CPU only, whether top-p's candidates hold every
+    # row's nucleus (gpu/sampler.py: a GPU sorts the rows instead)
+    assert sum(reads.values()) <= 2 + runner.model.config.num_hidden_layers, reads
 
 
 

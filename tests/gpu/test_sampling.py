@@ -19,7 +19,7 @@ from transformers import (
 
 from contract.plan import SamplingParams, ScheduledSequence
 from gpu.models import LoadedModel
-from gpu.sampler import Sampler, filtered_probs, processed_logits
+from gpu.sampler import TOP_P_CANDIDATES, Sampler, draw_from, filtered_probs, processed_logits
 from scheduling.request import Request, TokenEvent
 from scheduling.scheduler import SchedulerConfig
 from tests.factories import assert_kv_all_free, collect, make_engine, make_request, running, tokens_of
@@ -95,6 +95,47 @@ def test_top_p_keeps_only_the_nucleus() -> None:
     sampler = Sampler(torch.device("cpu"))
     draws = [sample(sampler, logits, [SamplingParams(temperature=1.0, top_p=0.5)], ["r"])[0] for _ in range(50)]
     assert set(draws) == {3}
+
+
+def test_draws_follow_each_rows_probabilities() -> None:
+    """200,000 draws from two rows (one not normalized): each token's share within 0.005 of its
+    probability, and a token of probability 0 never drawn."""
+    probs = torch.softmax(torch.randn(2, 40, generator=torch.Generator().manual_seed(3)) * 2, dim=-1)
+    probs[:, 7] = 0.0
+    probs[1] *= 3.0  # a row's mass need not be 1
+    generator = torch.Generator().manual_seed(11)
+    counts = torch.zeros(2, 40)
+    rows = probs.repeat_interleave(1000, dim=0)
+    for _ in range(100):
+        drawn = draw_from(rows, torch.rand(2000, generator=generator, dtype=torch.float64))
+        counts += torch.stack([torch.bincount(drawn[:1000], minlength=40), torch.bincount(drawn[1000:], minlength=40)])
+    shares = counts / counts.sum(dim=-1, keepdim=True)
+    expected = probs / probs.sum(dim=-1, keepdim=True)
+    assert (shares - expected).abs().max() < 0.005
+    assert counts[:, 7].sum() == 0
+
+
+def test_a_draw_at_the_top_of_the_range_takes_the_last_token_with_any_probability() -> None:
+    probs = torch.tensor([[0.25, 0.75, 0.0, 0.0], [0.0, 0.0, 0.0, 1.0]])
+    highest = torch.tensor([1.0 - 2.0 ** -53] * 2, dtype=torch.float64)
+    lowest = torch.zeros(2, dtype=torch.float64)
+    assert draw_from(probs, highest).tolist() == [1, 3]
+    assert draw_from(probs, lowest).tolist() == [0, 3]
+
+
+def test_top_p_finds_the_same_nucleus_among_the_candidates_as_over_the_sorted_row() -> None:
+    """Peaked rows find their nucleus among the likeliest TOP_P_CANDIDATES tokens; flat ones (a nucleus
+    wider than that) sort the row. Rows of top_p 1 keep every token. Both as the whole sorted row gives."""
+    vocab = 4 * TOP_P_CANDIDATES
+    for scale in (8.0, 0.5):  # peaked, then flat
+        logits = torch.randn(6, vocab, generator=torch.Generator().manual_seed(5)) * scale
+        params = [SamplingParams(temperature=1.0, top_p=top_p) for top_p in (0.9, 0.5, 1.0, 0.95, 0.7, 0.99)]
+        probs = torch.softmax(logits, dim=-1)
+        ordered, order = torch.sort(probs, dim=-1, descending=True)
+        top_p = torch.tensor([p.top_p for p in params])[:, None]
+        kept = torch.zeros_like(probs).scatter_(1, order, ordered.masked_fill(ordered.cumsum(-1) - ordered >= top_p, 0))
+        kept[2] = probs[2]
+        assert torch.allclose(filtered_probs(logits, params, CPU), kept, atol=1e-7)
 
 
 def test_seeded_generator_restarts_after_forget() -> None:

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from benchmarks.fake_executors import FakeExecutor, LinearStepCost
+from benchmarks.fake_executors import FakeExecutor, LinearStepCost, sequence_service
 from contract.plan import CacheGeometry
 from loadtest.bench_output import format_table, write_report
 from loadtest.stats import jain_index, percentile_or_nan
@@ -157,9 +157,7 @@ class _Replay:
         weights = self.scheduler.config.service_weights
         for seq in plan.sequences:
             request = self.requests[RequestId(seq.request_id)]
-            end = seq.start_position + len(seq.token_ids)
-            prompt_computed = max(0, min(end, request.num_prompt_tokens) - seq.start_position)
-            service[request.tenant_id] += weights.prompt * prompt_computed + weights.decode * seq.needs_sample
+            service[request.tenant_id] += sequence_service(seq, request.num_prompt_tokens, weights)
         result = self.executor.execute(plan)
         for event in self.scheduler.update(plan, result):
             request = self.requests[event.request_id]

@@ -23,7 +23,7 @@ import random
 from pathlib import Path
 from typing import Any
 
-from benchmarks.fake_executors import FakeExecutor, LinearStepCost
+from benchmarks.fake_executors import FakeExecutor, LinearStepCost, sequence_service
 from contract.plan import CacheGeometry, StepPlan
 from loadtest.mixed import LONG_BUCKET, TraceRequest, poisson_trace
 from scheduling.queue_order import QUEUE_ORDERS, QueueOrderName
@@ -92,9 +92,7 @@ def _add_service(served: dict[str, float], plan: StepPlan, scheduler: Scheduler)
     weights = scheduler.config.service_weights
     for seq in plan.sequences:
         request = scheduler.requests[RequestId(seq.request_id)]
-        prompt_end = min(seq.start_position + len(seq.token_ids), request.num_prompt_tokens)
-        prompt_computed = max(0, prompt_end - seq.start_position)
-        served[request.tenant_id] += weights.prompt * prompt_computed + weights.decode * seq.needs_sample
+        served[request.tenant_id] += sequence_service(seq, request.num_prompt_tokens, weights)
 
 
 def _request(item: TraceRequest, number: int, seed: int) -> Request:

@@ -20,6 +20,7 @@ from typing import Protocol
 from config.settings import Settings
 from contract.plan import CacheGeometry, ScheduledSequence, StepPlan, StepResult, StructuredOutput
 from scheduling.executor import Executor
+from tenancy.vtc import ServiceWeights
 
 # ---- cost models ---------------------------------------------------------------------------------
 
@@ -28,6 +29,13 @@ class StepCostModel(Protocol):
     def seconds(self, plan: StepPlan) -> float:
         """The virtual seconds a step takes; 0 for a plan with no sequences."""
         ...
+
+
+def sequence_service(seq: ScheduledSequence, num_prompt_tokens: int, weights: ServiceWeights) -> float:
+    """A sequence's unweighted service in a step, as VTC counts it: w_p per prompt token it computes, w_q
+    for the token it samples (the benchmarks' measure of what each tenant received)."""
+    prompt_end = min(seq.start_position + len(seq.token_ids), num_prompt_tokens)
+    return weights.prompt * max(0, prompt_end - seq.start_position) + weights.decode * seq.needs_sample
 
 
 def is_decode(seq: ScheduledSequence) -> bool:

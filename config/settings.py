@@ -159,6 +159,9 @@ class Settings(BaseModel):
     interactive_arrival_budget_ms: float | None = Field(default=None, gt=0)
     interactive_arrival_budget_decodes: float = Field(default=4.0, gt=0)
     interactive_arrival_window_s: float | None = Field(default=10.0, ge=0)
+    # Batch work beside streams runs in steps of its own, once their saved-up room fills such a step: one up to
+    # this many arrival budgets (a CPU's later rows in a step cost less than its first).
+    interactive_saved_room_budgets: float = Field(default=1.5, ge=1.0)
     # While more than one tenant's interactive work is active or may arrive, the chunks of an interactive
     # prompt longer than this (and predicted past the arrival budget) are shaped: one tenant's long prompts
     # do not lengthen the steps another tenant's streams decode in.

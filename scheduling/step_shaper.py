@@ -15,11 +15,11 @@ a margin), and at least `interactive_itl_decodes` times a lone decode step's mea
 interactive streams then leave batch work a share of each step (their gap stays within that multiple
 of a lone stream's), where the slack alone would starve it. The derived target holds on average: the room
 a step leaves unspent goes to the next ones, measured by the gaps the steps made (see `_settle`), so batch
-rows that a CPU's kernels take in groups still run; it is saved up until it is all the arrival budget
-allows and spent in one step (`_is_full`), so most of the streams' steps hold no batch work and their
-median gap stays their own. A fixed target bounds every step. The lone decode is
-measured: served, or timed on its own between served steps when the forward changed under load
-(scheduling/engine.py). A tenant's own ITL target (`itl_target_ms`
+rows that a CPU's kernels take in groups still run; it is saved up until it fills a step of
+`saved_room_budgets` arrival budgets and spent in that one step (`_is_full`, `_spend_ceiling_s`), so
+most of the streams' steps hold no batch work and their median gap stays their own. A fixed target
+bounds every step. The lone decode is measured: served, or timed on its own between served steps when
+the forward changed under load (scheduling/engine.py). A tenant's own ITL target (`itl_target_ms`
 in the tenants file) lowers the target of every step while one of its requests runs. A step that
 computes an interactive prompt is held to `interactive_ttft_slack` times its interactive work instead:
 the prompt's first token waits for no batch work, and the streams beside it wait for that prompt alone.
@@ -48,9 +48,10 @@ prompt.
 
 The arrival budget: an interactive request that arrives while a step runs waits for that step to end, so
 while interactive traffic may arrive (some was unfinished within `arrival_window_s`, or always), no step
-is predicted past `arrival_budget_s`: a batch flood's steps are cut to it even when no interactive
-request is active (the unfinished ones may all wait on something else, maybe on this batch work), and
-an arriving request is in the next step. Derived, it is `arrival_budget_decodes` times a lone decode
+is predicted past `arrival_budget_s` (but a step spending the streams' saved-up room, one in
+`saved_room_every` at most, up to `saved_room_budgets` of it): a batch flood's steps are cut to it even
+when no interactive request is active (the unfinished ones may all wait on something else, maybe on this
+batch work), and an arriving request is in the next step. Derived, it is `arrival_budget_decodes` times a lone decode
 step's measured time, so it scales with the machine. The first batch chunk of a step always gets a
 block, so batch work moves whatever the budget.
 """
@@ -89,7 +90,8 @@ class ShapingConfig:
     long_prompt_every: int = 4  # with streams decoding, a long prompt's chunk is in one step in this many
     long_prompt_chunk_budgets: float = 4.0  # a step computing a long prompt's chunk: at most this many arrival budgets
     long_prompt_chunk_window_s: float = 60.0  # ...while another tenant had unfinished work within this long
-    saved_room_every: int = 3  # under the derived target, the streams' saved-up room is spent in one step in this many
+    saved_room_every: int = 4  # under the derived target, the streams' saved-up room is spent in one step in this many
+    saved_room_budgets: float = 1.5  # ...in a step of up to this many arrival budgets (see _spend_ceiling_s)
 
 
 @dataclass(slots=True)
@@ -234,14 +236,15 @@ class StepShaper:
             derived = self._derives_target(tenant_target_s, starts_a_prompt)
             target = min(target, max(predicted, SHARE_CEILING_FRACTION * ceiling) if derived else ceiling)
             credit_s = self._credit_s if derived else 0.0  # a fixed target bounds every step: nothing carried
-            room = max(0.0, min(target - predicted + credit_s, ceiling - predicted))
-            spends = not derived or (_is_full(room, ceiling - predicted)
+            most_s = self._spend_ceiling_s(arrival_budget, predicted) if derived else ceiling
+            room = max(0.0, min(target - predicted + credit_s, most_s - predicted))
+            spends = not derived or (_is_full(room, most_s - predicted)
                                      and self._steps_since_spent >= self.config.saved_room_every - 1)
             step.shaped_time_left_s = room if spends else 0.0
             cross_tenant_target = self._derived_target_s(predicted, self.config.interactive_itl_decodes_cross_tenant)
             step.cross_tenant_time_left_s = max(0.0, min(target, cross_tenant_target) - predicted)
             if derived:
-                self._unsettled = (step.plan, target, ceiling - target)
+                self._unsettled = (step.plan, target, most_s - target)
             # Tenants' long prompts take turns: a step in long_prompt_every, up to the arrival budget or the
             # streams' own target if longer (a tenant's target bounds both); the streams' other steps hold
             # none of them. On a CPU a few prompt tokens in every step would cost more: a step's first rows
@@ -251,6 +254,19 @@ class StepShaper:
             turn_s = self._turn_s(arrival_budget, streams_target, tenant_target_s)
             step.prompt_time_left_s = max(0.0, turn_s - predicted)
         self.counters.shaped_steps += 1
+
+    def _spend_ceiling_s(self, arrival_budget_s: float, predicted_s: float) -> float:
+        """The longest step the streams' saved-up room may make: `saved_room_budgets` arrival budgets. Past the
+        budget, in one step in `saved_room_every` at most: a CPU computes a step's first rows past the streams'
+        own at their dearest (the int4 kernels take rows in groups of four, the int8 copies start at eight) and
+        later ones at about half that, so the longer the spending step, the more batch tokens a millisecond of
+        the streams' room buys. Beside four streams and a batch flood on a Zen 5 EPYC, spending steps of five
+        lone decodes instead of four held 41 batch tokens instead of 22, and batch made 0.66-0.84x llama.cpp's
+        server's tokens/s over three runs against 0.39-0.56x before, every latency target held (the last
+        run, at these defaults: 0.76x, TTFT p50 1.20x and ITL p50 1.75x a lone stream's; docs/loadtest.md).
+        Only this room: the arrival budget itself, which also sizes the turns and chunks of other tenants' long
+        prompts, took a light tenant's ITL p50 beside a neighbour's pinned prompts to 1.9-2.8x its own."""
+        return max(self.config.saved_room_budgets * arrival_budget_s, predicted_s)
 
     @staticmethod
     def _turn_s(arrival_budget_s: float, streams_target_s: float, tenant_target_s: float | None) -> float:
@@ -300,8 +316,8 @@ class StepShaper:
         room, and batch work beside four streams never ran (0 tokens/s). With the room steps leave unspent
         carried over, one step in a few holds a group of batch rows. Measured, not predicted: steps that ran
         past their prediction hold the next steps' batch work back. The streams' gaps keep the target on
-        average, and no step is predicted past the arrival budget. Debt is forgiven past one target's worth
-        (a collector's pause must not stop batch work for long).
+        average, and no step is predicted past the room's ceiling (`_spend_ceiling_s`). Debt is forgiven past
+        one target's worth (a collector's pause must not stop batch work for long).
 
         A step that held a turn of tenants' long prompts is not settled: its length is the turn's, bounded by
         `long_prompt_every`, not the streams' room. Settled, each turn overspent the room the streams' own
@@ -413,7 +429,7 @@ def _starts_a_prompt(step: StepBuilder, interactive_demand: StepWork) -> bool:
 
 def _is_full(room_s: float, most_s: float) -> bool:
     """Under the derived target the streams save their room up, and batch work beside them joins a step only
-    once the room is all the arrival budget allows: the streams' gap is read at its median, and a little
+    once the room is all its ceiling allows (`_spend_ceiling_s`): the streams' gap is read at its median, and a little
     batch work in most steps puts the median at a step holding some. On a CPU's grouped rows each step with
     batch rows cost a group (4 streams 18.5 ms; with a batch prompt chunk 28 ms), they joined two steps in
     three, and the streams' ITL p50 read 2.1-2.6x a lone stream's. Saved up, the room is spent in fewer

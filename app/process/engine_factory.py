@@ -134,6 +134,7 @@ def shaping_config_of(settings: Settings) -> ShapingConfig:
                          arrival_budget_s=None if arrival_ms is None else arrival_ms / 1000,
                          arrival_budget_decodes=settings.interactive_arrival_budget_decodes,
                          arrival_window_s=settings.interactive_arrival_window_s,
+                         saved_room_budgets=settings.interactive_saved_room_budgets,
                          long_prompt_tokens=settings.interactive_long_prompt_tokens,
                          long_prompt_chunk_budgets=settings.interactive_long_prompt_chunk_budgets,
                          long_prompt_chunk_window_s=settings.interactive_long_prompt_chunk_window_s)

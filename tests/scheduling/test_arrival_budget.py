@@ -1,5 +1,6 @@
 """Interactive latency under a batch flood, on the simulated executor: while interactive requests may
-arrive, no step is predicted past the arrival budget, so an arriving request is in the next step; and a
+arrive, no step is predicted past the arrival budget (but one spending the streams' saved-up room, up to
+`saved_room_budgets` of it), so an arriving request is in the next step; and a
 cost model calibrated before the first step shapes as one warmed by served steps."""
 
 from __future__ import annotations

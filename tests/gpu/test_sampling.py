@@ -125,9 +125,11 @@ def test_a_draw_at_the_top_of_the_range_takes_the_last_token_with_any_probabilit
 
 def test_top_p_finds_the_same_nucleus_among_the_candidates_as_over_the_sorted_row() -> None:
     """Peaked rows find their nucleus among the likeliest TOP_P_CANDIDATES tokens; flat ones (a nucleus
-    wider than that) sort the row. Rows of top_p 1 keep every token. Both as the whole sorted row gives."""
+    wider than that) sort the row, alone when peaked rows share the step. Rows of top_p 1 keep every
+    token. All as the whole sorted row gives."""
     vocab = 4 * TOP_P_CANDIDATES
-    for scale in (8.0, 0.5):  # peaked, then flat
+    mixed = torch.tensor([8.0, 0.5, 8.0, 0.5, 8.0, 8.0])[:, None]
+    for scale in (8.0, 0.5, mixed):  # peaked, flat, then both
         logits = torch.randn(6, vocab, generator=torch.Generator().manual_seed(5)) * scale
         params = [SamplingParams(temperature=1.0, top_p=top_p) for top_p in (0.9, 0.5, 1.0, 0.95, 0.7, 0.99)]
         probs = torch.softmax(logits, dim=-1)

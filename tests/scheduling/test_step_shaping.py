@@ -358,50 +358,56 @@ def streams_decoding(sim: Simulation, costs: SimulatedCosts, num_streams: int = 
     return streams
 
 
+@dataclass(slots=True)
+class GroupedRowsRun:
+    """Streams decoding beside a batch backlog on kernels taking rows in groups of four: each step's time,
+    the batch work computed, a lone decode's time and the arrival budget."""
+
+    seconds: list[float]
+    batch_decodes: int
+    batch_tokens: int
+    lone_decode_s: float
+    arrival_budget_s: float
+
+
+def grouped_rows_run(shaping: ShapingConfig, num_streams: int = 4, streams_tenant: str = "default",
+                     num_steps: int = 200) -> GroupedRowsRun:
+    """`num_streams` streams of `streams_tenant` decoding beside the default tenant's batch backlog."""
+    sim = Simulation(shaping)
+    streams = streams_decoding(sim, GroupedRowsCost(), num_streams=num_streams, tenant_id=streams_tenant)
+    assert all(s.num_output_tokens > 1 for s in streams)
+    stream_ids = {s.request_id for s in streams}
+    seconds, batch_decodes, batch_tokens = [], 0, 0
+    for _ in range(num_steps):
+        sim.top_up_batch()
+        plan = sim.step()
+        seconds.append(GroupedRowsCost().seconds(plan))
+        batch = [seq for seq in plan.sequences if seq.request_id not in stream_ids]
+        batch_decodes += sum(len(seq.token_ids) == 1 for seq in batch)
+        batch_tokens += sum(len(seq.token_ids) for seq in batch)
+    shaper = sim.scheduler.shaper
+    lone_decode_s, arrival_budget_s = shaper.cost_model.lone_decode_s, shaper.arrival_budget_s()
+    assert lone_decode_s is not None and arrival_budget_s is not None
+    assert all(not s.status.is_finished for s in streams)
+    return GroupedRowsRun(seconds, batch_decodes, batch_tokens, lone_decode_s, arrival_budget_s)
+
+
 def test_batch_rows_taken_in_groups_still_run_beside_four_streams() -> None:
     """Four streams decode beside a batch backlog on kernels that take rows in groups of four. A fifth row
     costs more than one step's room under the derived target (two lone decodes), so a bound on every step
     would never let batch run; with the room carried over, one step in a few holds a group of batch rows,
     and the streams' steps keep the target on average."""
-    sim = Simulation(ShapingConfig())
-    streams = streams_decoding(sim, GroupedRowsCost())
-    lone_decode_s = sim.scheduler.shaper.cost_model.lone_decode_s
-    assert lone_decode_s is not None and all(s.num_output_tokens > 1 for s in streams)
-    seconds, batch_decodes = [], 0
-    for _ in range(200):
-        sim.top_up_batch()
-        plan = sim.step()
-        seconds.append(GroupedRowsCost().seconds(plan))
-        batch_decodes += sum(1 for seq in plan.sequences if seq.request_id not in {s.request_id for s in streams}
-                             and len(seq.token_ids) == 1)
-    assert all(not s.status.is_finished for s in streams)
+    config = ShapingConfig()
+    run = grouped_rows_run(config)
+    seconds, batch_decodes, lone_decode_s = run.seconds, run.batch_decodes, run.lone_decode_s
     assert batch_decodes >= 100  # at least a row every other step on average
     streams_s = min(seconds)  # their own step
-    target_s = max(2 * lone_decode_s, streams_s / (1 - ShapingConfig().interactive_batch_share))
+    target_s = max(2 * lone_decode_s, streams_s / (1 - config.interactive_batch_share))
     assert sum(seconds) / len(seconds) <= target_s * 1.05
-    config = ShapingConfig()
     assert max(seconds) <= config.saved_room_budgets * config.arrival_budget_decodes * lone_decode_s * 1.05
     # The streams' median gap is a step without batch work: batch rows wait until their room is a lone
     # decode's worth, so they join fewer than half the steps, in larger groups.
     assert statistics.median(seconds) <= 1.05 * min(seconds)
-
-
-
-def grouped_rows_beside_four_streams(shaping: ShapingConfig) -> tuple[list[float], int, float]:
-    """Four streams decoding beside a batch backlog on kernels taking rows in groups: each step's time, the
-    batch tokens computed, and the arrival budget."""
-    sim = Simulation(shaping)
-    streams = streams_decoding(sim, GroupedRowsCost())
-    stream_ids = {s.request_id for s in streams}
-    seconds, batch_tokens = [], 0
-    for _ in range(300):
-        sim.top_up_batch()
-        plan = sim.step()
-        seconds.append(GroupedRowsCost().seconds(plan))
-        batch_tokens += sum(len(seq.token_ids) for seq in plan.sequences if seq.request_id not in stream_ids)
-    arrival_budget_s = sim.scheduler.shaper.arrival_budget_s()
-    assert arrival_budget_s is not None and all(not s.status.is_finished for s in streams)
-    return seconds, batch_tokens, arrival_budget_s
 
 
 def test_the_saved_up_room_buys_more_batch_tokens_in_a_step_a_little_past_the_arrival_budget() -> None:
@@ -410,14 +416,16 @@ def test_the_saved_up_room_buys_more_batch_tokens_in_a_step_a_little_past_the_ar
     tokens for each second the steps take past the streams' own. Only those steps pass the budget, one in
     `saved_room_every` at most, and the streams' median gap is their own step."""
     config = ShapingConfig()
-    seconds, batch_tokens, budget_s = grouped_rows_beside_four_streams(config)
+    run = grouped_rows_run(config, num_steps=300)
+    seconds, batch_tokens, budget_s = run.seconds, run.batch_tokens, run.arrival_budget_s
     streams_s = min(seconds)
     past_budget = [step for step in seconds if step > budget_s * 1.001]
     assert past_budget and max(past_budget) <= config.saved_room_budgets * budget_s * 1.05
     assert sum(step > 1.01 * streams_s for step in seconds) <= len(seconds) / config.saved_room_every + 1
     assert statistics.median(seconds) <= 1.01 * streams_s
 
-    within, within_tokens, _ = grouped_rows_beside_four_streams(ShapingConfig(saved_room_budgets=1.0))
+    within_run = grouped_rows_run(ShapingConfig(saved_room_budgets=1.0), num_steps=300)
+    within, within_tokens = within_run.seconds, within_run.batch_tokens
     tokens_per_s = batch_tokens / (sum(seconds) - streams_s * len(seconds))
     tokens_per_s_within = within_tokens / (sum(within) - streams_s * len(within))
     assert tokens_per_s > 1.1 * tokens_per_s_within
@@ -450,32 +458,16 @@ def test_batch_keeps_its_share_of_the_streams_time_where_their_step_is_nearly_tw
     assert statistics.mean(without_share) <= 1.12 * streams_s  # two lone decodes alone: little batch work
 
 
-def grouped_rows_steps(streams_tenant: str) -> tuple[list[float], int, float]:
-    """Two streams of `streams_tenant` decoding beside the default tenant's batch backlog, on kernels taking
-    rows in groups of four: each step's time, the batch decodes, and a lone decode's time."""
-    sim = Simulation(ShapingConfig())
-    streams = streams_decoding(sim, GroupedRowsCost(), num_streams=2, tenant_id=streams_tenant)
-    stream_ids = {s.request_id for s in streams}
-    seconds, batch_decodes = [], 0
-    for _ in range(200):
-        sim.top_up_batch()
-        plan = sim.step()
-        seconds.append(GroupedRowsCost().seconds(plan))
-        batch_decodes += sum(1 for seq in plan.sequences
-                             if seq.request_id not in stream_ids and len(seq.token_ids) == 1)
-    lone_decode_s = sim.scheduler.shaper.cost_model.lone_decode_s
-    assert lone_decode_s is not None and all(not s.status.is_finished for s in streams)
-    return seconds, batch_decodes, lone_decode_s
-
-
 def test_another_tenants_batch_is_held_to_the_cross_tenant_target_in_every_step() -> None:
     """Another tenant's batch work lengthens no step the streams decode in past 1.3 lone decodes (a bound on
     every step: the room is not carried), and still moves, within the kernels' row group; the streams' own
     tenant's batch work takes their steps to twice a lone decode on average."""
-    seconds, batch_decodes, lone_decode_s = grouped_rows_steps("light")
+    light = grouped_rows_run(ShapingConfig(), num_streams=2, streams_tenant="light")
+    seconds, batch_decodes, lone_decode_s = light.seconds, light.batch_decodes, light.lone_decode_s
     assert max(seconds) <= 1.3 * lone_decode_s * 1.05
     assert batch_decodes >= 100  # a row or two a step, within the group of four
-    own_seconds, own_batch_decodes, _ = grouped_rows_steps("default")
+    own = grouped_rows_run(ShapingConfig(), num_streams=2)
+    own_seconds, own_batch_decodes = own.seconds, own.batch_decodes
     assert sum(own_seconds) / len(own_seconds) > 1.5 * lone_decode_s
     assert own_batch_decodes > batch_decodes
 

@@ -262,8 +262,9 @@ class StepShaper:
         later ones at about half that, so the longer the spending step, the more batch tokens a millisecond of
         the streams' room buys. Beside four streams and a batch flood on a Zen 5 EPYC, spending steps of five
         lone decodes instead of four held 41 batch tokens instead of 22, and batch made 0.66-0.84x llama.cpp's
-        server's tokens/s over three runs against 0.39-0.56x before, every latency target held (the last
-        run, at these defaults: 0.76x, TTFT p50 1.20x and ITL p50 1.75x a lone stream's; docs/loadtest.md).
+        server's tokens/s in four runs against 0.39-0.56x before, every latency target held (two runs at
+        these defaults: 0.76x and 0.77x, TTFT p50 1.14-1.20x and ITL p50 1.72-1.75x a lone stream's;
+        docs/loadtest.md).
         Only this room: the arrival budget itself, which also sizes the turns and chunks of other tenants' long
         prompts, took a light tenant's ITL p50 beside a neighbour's pinned prompts to 1.9-2.8x its own."""
         return max(self.config.saved_room_budgets * arrival_budget_s, predicted_s)

@@ -51,9 +51,9 @@ while interactive traffic may arrive (some was unfinished within `arrival_window
 is predicted past `arrival_budget_s` (but a step spending the streams' saved-up room, one in
 `saved_room_every` at most, up to `saved_room_budgets` of it): a batch flood's steps are cut to it even
 when no interactive request is active (the unfinished ones may all wait on something else, maybe on this
-batch work), and an arriving request is in the next step. Derived, it is `arrival_budget_decodes` times a lone decode
-step's measured time, so it scales with the machine. The first batch chunk of a step always gets a
-block, so batch work moves whatever the budget.
+batch work), and an arriving request is in the next step. Derived, it is `arrival_budget_decodes` times a
+lone decode step's measured time, so it scales with the machine. The first batch chunk of a step always
+gets a block, so batch work moves whatever the budget.
 """
 
 from __future__ import annotations
@@ -264,9 +264,9 @@ class StepShaper:
         lone decodes instead of four held 41 batch tokens instead of 22, and batch made 0.66-0.84x llama.cpp's
         server's tokens/s in four runs against 0.39-0.56x before, every latency target held (two runs at
         these defaults: 0.76x and 0.77x, TTFT p50 1.14-1.20x and ITL p50 1.72-1.75x a lone stream's;
-        docs/loadtest.md).
-        Only this room: the arrival budget itself, which also sizes the turns and chunks of other tenants' long
-        prompts, took a light tenant's ITL p50 beside a neighbour's pinned prompts to 1.9-2.8x its own."""
+        docs/loadtest.md). Only this room: the arrival budget itself, which also sizes the turns and chunks of
+        other tenants' long prompts, took a light tenant's ITL p50 beside a neighbour's pinned prompts to
+        1.9-2.8x its own."""
         return max(self.config.saved_room_budgets * arrival_budget_s, predicted_s)
 
     @staticmethod
@@ -430,8 +430,8 @@ def _starts_a_prompt(step: StepBuilder, interactive_demand: StepWork) -> bool:
 
 def _is_full(room_s: float, most_s: float) -> bool:
     """Under the derived target the streams save their room up, and batch work beside them joins a step only
-    once the room is all its ceiling allows (`_spend_ceiling_s`): the streams' gap is read at its median, and a little
-    batch work in most steps puts the median at a step holding some. On a CPU's grouped rows each step with
+    once the room is all its ceiling allows (`_spend_ceiling_s`): the streams' gap is read at its median, and a
+    little batch work in most steps puts the median at a step holding some. On a CPU's grouped rows each step with
     batch rows cost a group (4 streams 18.5 ms; with a batch prompt chunk 28 ms), they joined two steps in
     three, and the streams' ITL p50 read 2.1-2.6x a lone stream's. Saved up, the room is spent in fewer
     steps, with more rows each, for the same average. And in one step in `saved_room_every` at most: where

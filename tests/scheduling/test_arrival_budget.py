@@ -210,13 +210,16 @@ def test_a_tenants_itl_target_bounds_every_step_its_request_runs_in() -> None:
     assert not flood.scheduler._itl_targets
 
 
-def test_a_new_prompt_beside_four_streams_and_a_flood_starts_at_once_and_the_streams_keep_their_target() -> None:
+@pytest.mark.parametrize("saved_room_budgets", [1.5, 1.0])
+def test_a_new_prompt_beside_four_streams_and_a_flood_starts_at_once_and_the_streams_keep_their_target(
+        saved_room_budgets: float) -> None:
     """Four interactive streams decode beside a batch flood; a new prompt arrives. Its first token comes in
     the very next step, a step holding no batch work (its TTFT is its own prefill, beside the streams'
     decodes); the steps the streams share keep their ITL target (their own steps' time with batch's share of
     it beside, here) on average, and none passes the arrival budget (four lone decodes) but those spending the
-    streams' saved-up room, up to `saved_room_budgets` of it."""
-    flood = Flood(ShapingConfig(arrival_window_s=None))
+    streams' saved-up room, up to `saved_room_budgets` of it (at 1, none)."""
+    config = ShapingConfig(arrival_window_s=None, saved_room_budgets=saved_room_budgets)
+    flood = Flood(config)
     streams = [make_request(16, 200, priority=INTERACTIVE) for _ in range(4)]
     for stream in streams:
         flood.scheduler.add_request(stream)
@@ -230,8 +233,7 @@ def test_a_new_prompt_beside_four_streams_and_a_flood_starts_at_once_and_the_str
     batch_share = flood.scheduler.shaper.config.interactive_batch_share
     target_s = max(2 * lone_decode_s, COST.seconds(_tokens(4)) / (1 - batch_share))
     assert sum(decode_steps) / len(decode_steps) <= target_s * 1.05
-    config = ShapingConfig()
-    assert max(decode_steps) <= config.saved_room_budgets * config.arrival_budget_decodes * lone_decode_s * 1.05
+    assert max(decode_steps) <= saved_room_budgets * config.arrival_budget_decodes * lone_decode_s * 1.05
     # ...which it did: batch was not starved (it runs in the steps the streams' saved-up room reaches the budget)
     assert sum(decode_steps) / len(decode_steps) > COST.seconds(_tokens(4)) * 1.05
 

@@ -255,17 +255,23 @@ def _keep_min_p(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
 
 def _keep_top_p(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Keep the smallest prefix of each row, by probability, whose mass reaches its top_p (the top
-    token always stays). On a CPU the prefix is looked for among each row's `TOP_P_CANDIDATES` likeliest
-    tokens first, and only the rows whose nucleus is wider are sorted whole: sorting 28 rows of 49,152
-    tokens took 40 ms there, their candidates 1.6 ms (a model's nucleus of 0.9 is rarely more than a few
-    hundred tokens; a flat row's is most of the vocabulary, and one flat row sorted the other 27 too).
-    Which rows those are is a read of the tensor, which on a GPU would wait for its kernels: there the
-    rows are sorted, which is quick."""
+    token always stays). Rows of top_p 1 keep every token, on every device: a running sum rounded to
+    1.0 before the row's end would otherwise drop its least likely tokens."""
+    keeps_all = top_p >= 1.0
+    return torch.where(keeps_all[:, None], probs, _nuclei(probs, top_p, keeps_all))
+
+
+def _nuclei(probs: torch.Tensor, top_p: torch.Tensor, keeps_all: torch.Tensor) -> torch.Tensor:
+    """Each row's nucleus (rows in `keeps_all` may come out cut: the caller keeps them whole). On a CPU the
+    prefix is looked for among each row's `TOP_P_CANDIDATES` likeliest tokens first, and only the rows whose
+    nucleus is wider are sorted whole: sorting 28 rows of 49,152 tokens took 40 ms there, their candidates
+    1.6 ms (a model's nucleus of 0.9 is rarely more than a few hundred tokens; a flat row's is most of the
+    vocabulary, and one flat row sorted the other 27 too). Which rows those are is a read of the tensor,
+    which on a GPU would wait for its kernels: there the rows are sorted, which is quick."""
     if probs.device.type == "cpu" and probs.shape[-1] > TOP_P_CANDIDATES:
         top_probs, top_order = torch.topk(probs, TOP_P_CANDIDATES, dim=-1)  # the likeliest first
-        keeps_all = top_p >= 1.0  # whatever the candidates hold
         wide = ((top_probs.sum(dim=-1) < top_p) & ~keeps_all).nonzero().flatten()
-        kept = torch.where(keeps_all[:, None], probs, _nucleus(probs, top_probs, top_order, top_p))
+        kept = _nucleus(probs, top_probs, top_order, top_p)
         if wide.numel():
             kept[wide] = _sorted_nucleus(probs[wide], top_p[wide])
         return kept

@@ -49,11 +49,13 @@ class StreamBenchOptions:
     duration_s: float  # each client keeps opening streams until this has passed, then finishes its last
     max_tokens: int  # tokens per stream
     coalesce_modes: tuple[bool, ...]
+    stream_intervals: tuple[int, ...] = (1,)  # the server's stream_interval (tokens a stream sends at once)
 
 
 @dataclass(slots=True)
 class LevelResult:
     coalesce: bool
+    stream_interval: int
     concurrency: int
     num_streams: int
     num_tokens: int
@@ -89,13 +91,13 @@ def build_instant_engine(settings: Settings, max_model_len: int = 4096) -> tuple
     return Engine(scheduler, executor, max_queued_requests=settings.max_queued_requests), ByteTokenizer()
 
 
-def serve_instant(listener_fd: int, coalesce: bool) -> None:
+def serve_instant(listener_fd: int, coalesce: bool, stream_interval: int = 1) -> None:
     """Run the real app on an instant engine until SIGTERM (this is the server process), on the
     listening socket the parent bound and handed down."""
     settings = load_settings(environ={}, overrides={
         "model": MODEL_NAME, "port": 0, "max_num_seqs": 1024, "max_num_batched_tokens": 8192,
         "max_queued_requests": 4096, "kv_cache_bytes": 256 * MiB, "shutdown_grace_s": 1.0,
-        "stream_coalesce": coalesce})
+        "stream_coalesce": coalesce, "stream_interval": stream_interval})
     engine, tokenizer = build_instant_engine(settings)
     context = ServingContext(settings, engine, tokenizer)
     config = uvicorn_config(context, access_log=False, log_level="warning")
@@ -106,7 +108,7 @@ def serve_instant(listener_fd: int, coalesce: bool) -> None:
 
 
 @contextmanager
-def server_process(coalesce: bool) -> Iterator[tuple[str, psutil.Process]]:
+def server_process(coalesce: bool, stream_interval: int = 1) -> Iterator[tuple[str, psutil.Process]]:
     # The socket is bound and listening here, then handed to the server process: no other process
     # can take the port between choosing it and serving on it.
     with socket.socket() as listener:
@@ -114,7 +116,7 @@ def server_process(coalesce: bool) -> Iterator[tuple[str, psutil.Process]]:
         listener.listen(2048)
         port = listener.getsockname()[1]
         command = [sys.executable, "-m", "benchmarks.bench_stream", "--serve-fd", str(listener.fileno()),
-                   "--serve-coalesce", "on" if coalesce else "off"]
+                   "--serve-coalesce", "on" if coalesce else "off", "--serve-stream-interval", str(stream_interval)]
         process = subprocess.Popen(command, pass_fds=(listener.fileno(),),
                                    env={**os.environ, "PYTHONUNBUFFERED": "1"})
     base_url = f"http://127.0.0.1:{port}"
@@ -182,7 +184,7 @@ def _stream_body(max_tokens: int) -> dict[str, Any]:
 
 
 async def run_level(base_url: str, server: psutil.Process, concurrency: int, options: StreamBenchOptions,
-                    coalesce: bool) -> LevelResult:
+                    coalesce: bool, stream_interval: int = 1) -> LevelResult:
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     body = _stream_body(options.max_tokens)
     async with httpx.AsyncClient(base_url=base_url, limits=limits, timeout=120) as client:
@@ -199,8 +201,8 @@ async def run_level(base_url: str, server: psutil.Process, concurrency: int, opt
         server_cpu_s = _cpu_seconds(server) - cpu_before
         client_cpu_s = time.process_time() - client_cpu_before
         num_steps = await _engine_steps(client) - steps_before
-    return LevelResult(coalesce, concurrency, tally.num_streams, tally.num_tokens, tally.num_events, num_steps,
-                       wall_s, server_cpu_s, client_cpu_s)
+    return LevelResult(coalesce, stream_interval, concurrency, tally.num_streams, tally.num_tokens, tally.num_events,
+                       num_steps, wall_s, server_cpu_s, client_cpu_s)
 
 
 async def _engine_steps(client: httpx.AsyncClient) -> int:
@@ -217,12 +219,13 @@ def _cpu_seconds(process: psutil.Process) -> float:
 def run_bench(options: StreamBenchOptions) -> list[LevelResult]:
     results = []
     for coalesce in options.coalesce_modes:
-        with server_process(coalesce) as (base_url, server):
-            for concurrency in options.concurrency:
-                result = asyncio.run(run_level(base_url, server, concurrency, options, coalesce))
-                print(f"coalesce={'on' if coalesce else 'off'} streams={concurrency}: "
-                      f"{result.tokens_per_s:,.0f} tokens/s", file=sys.stderr)
-                results.append(result)
+        for interval in options.stream_intervals:
+            with server_process(coalesce, interval) as (base_url, server):
+                for concurrency in options.concurrency:
+                    result = asyncio.run(run_level(base_url, server, concurrency, options, coalesce, interval))
+                    print(f"coalesce={'on' if coalesce else 'off'} interval={interval} streams={concurrency}: "
+                          f"{result.tokens_per_s:,.0f} tokens/s", file=sys.stderr)
+                    results.append(result)
     return results
 
 
@@ -230,10 +233,11 @@ def run_bench(options: StreamBenchOptions) -> list[LevelResult]:
 
 
 def results_table(results: Sequence[LevelResult]) -> str:
-    rows = [["coalesce", "streams", "tokens/s", "events/s", "tokens/event", "tokens/step", "server CPU us/token",
-             "server CPU", "client CPU"]]
+    rows = [["coalesce", "interval", "streams", "tokens/s", "events/s", "tokens/event", "tokens/step",
+             "server CPU us/token", "server CPU", "client CPU"]]
     for r in results:
-        rows.append(["on" if r.coalesce else "off", str(r.concurrency), f"{r.tokens_per_s:,.0f}",
+        rows.append(["on" if r.coalesce else "off", str(r.stream_interval), str(r.concurrency),
+                     f"{r.tokens_per_s:,.0f}",
                      f"{r.num_events / r.wall_s:,.0f}", f"{r.num_tokens / max(r.num_events, 1):.2f}",
                      f"{r.num_tokens / max(r.num_steps, 1):.1f}",
                      f"{r.cpu_us_per_token:.1f}", f"{100 * r.server_cpu_s / r.wall_s:.0f}%",
@@ -254,6 +258,8 @@ def add_command(subparsers: argparse._SubParsersAction[argparse.ArgumentParser])
     parser.add_argument("--max-tokens", type=int, default=512, help="tokens per stream")
     parser.add_argument("--coalesce", choices=["on", "off", "both"], default="both",
                         help="send a stream's pending tokens as one event (the stream_coalesce setting)")
+    parser.add_argument("--stream-interval", default="1",
+                        help="comma-separated values of the server's stream_interval, one server each")
     parser.add_argument("--out", help="write the results as JSON here")
     parser.set_defaults(handler=run_command)
 
@@ -261,7 +267,7 @@ def add_command(subparsers: argparse._SubParsersAction[argparse.ArgumentParser])
 def run_command(args: argparse.Namespace) -> int:
     modes = {"on": (True,), "off": (False,), "both": (False, True)}[args.coalesce]
     options = StreamBenchOptions(tuple(int(c) for c in args.concurrency.split(",")), args.duration_s,
-                                 args.max_tokens, modes)
+                                 args.max_tokens, modes, tuple(int(i) for i in args.stream_interval.split(",")))
     results = run_bench(options)
     print(results_table(results))
     write_report(args.out, report_json(options, results))
@@ -272,8 +278,9 @@ def _serve_main(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(description="the bench server process (started by `fairlane bench stream`)")
     parser.add_argument("--serve-fd", type=int, required=True, help="a listening socket inherited from the parent")
     parser.add_argument("--serve-coalesce", choices=["on", "off"], required=True)
+    parser.add_argument("--serve-stream-interval", type=int, default=1)
     args = parser.parse_args(argv)
-    serve_instant(args.serve_fd, args.serve_coalesce == "on")
+    serve_instant(args.serve_fd, args.serve_coalesce == "on", args.serve_stream_interval)
     return 0
 
 

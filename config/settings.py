@@ -244,6 +244,13 @@ class Settings(BaseModel):
     served_model_name: str | None = None
     default_max_tokens: int = Field(default=256, ge=1)  # when a request gives none (capped by the context left)
     stream_coalesce: bool = True  # a stream that fell behind sends its pending tokens as one SSE event
+    # Tokens a stream sends at once after its first, as vLLM's --stream-interval: fewer wake-ups, SSE writes
+    # and client reads per token, at the cost of smoothness. Interactive streams send each token as it comes;
+    # batch-class ones (service_tier flex) hold up to 8, or half a second (scheduling/engine.py,
+    # RequestStream). A request with stop strings is not held: the engine would compute the held tokens past
+    # its stop before the API layer saw it.
+    stream_interval: int = Field(default=1, ge=1)
+    batch_stream_interval: int = Field(default=8, ge=1)
     http_header_timeout_s: float = Field(default=10.0, gt=0)  # a request head must arrive whole within this
     http_body_timeout_s: float = Field(default=30.0, gt=0)  # longest wait for the next piece of a body (408)
     max_connections: int = Field(default=2048, ge=1)  # open HTTP connections; more are refused (503)

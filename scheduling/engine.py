@@ -25,7 +25,7 @@ from scheduling.executor import Executor
 from scheduling.follow_up import FollowUpWait
 from scheduling.gc_pacing import PacedCollector
 from scheduling.prefix_cache import prompt_block_hashes
-from scheduling.request import PriorityClass, Request, RequestId, RequestStatus, TokenEvent
+from scheduling.request import PriorityClass, Request, RequestId, RequestStatus, TokenEvent, merged
 from scheduling.scheduler import AdmissionError, Scheduler, check_admissible
 from scheduling.snapshot import SchedulerSnapshot, SpeculationStats, StepCostStats
 from tenancy.tenants import TenantRegistry
@@ -34,6 +34,8 @@ logger = logging.getLogger(__name__)
 
 # After a step that could run nothing, the loop waits this long for a command before it plans again.
 EMPTY_STEP_BACKOFF_S = 0.01
+# The longest a stream holds tokens for its interval (RequestStream), told at the request's next event.
+MAX_HOLD_S = 0.5
 
 
 class EngineOverloaded(RuntimeError):
@@ -95,16 +97,48 @@ class EngineObserver(Protocol):
 
 
 class RequestStream:
-    """The token events of one request. Closing it before the end aborts the request."""
+    """The token events of one request. Closing it before the end aborts the request.
 
-    def __init__(self, engine: EngineFront, request: Request) -> None:
+    A request whose `stream_interval` is above 1 (batch-class streams by default, as vLLM's and SGLang's
+    `--stream-interval`) has its events held until that many tokens are in, then sent as one event: its
+    reader, and the SSE write and the client's read behind it, wake once for them all instead of at every
+    step. Never held: the first tokens (the time to the first token is the client's to see), the end, and
+    tokens held for MAX_HOLD_S (told at the next event: a stream whose steps are far apart is not held up
+    for a whole interval of them)."""
+
+    def __init__(self, engine: EngineFront, request: Request, clock: Callable[[], float] = time.monotonic) -> None:
         self.request = request
         self._engine = engine
         self._events: asyncio.Queue[TokenEvent] = asyncio.Queue()
         self.is_finished = False
+        self._clock = clock
+        self._held: list[TokenEvent] = []
+        self._held_tokens = 0
+        self._held_since = 0.0
+        self._sent_tokens = False
 
     def push(self, event: TokenEvent) -> None:
+        if self.request.stream_interval > 1 and self._hold(event):
+            return
+        if self._held:
+            event = merged(self._held[0], [*self._held[1:], event])
+            self._held, self._held_tokens = [], 0
+        self._sent_tokens = self._sent_tokens or bool(event.new_token_ids)
         self._events.put_nowait(event)
+
+    def _hold(self, event: TokenEvent) -> bool:
+        if event.is_final or not self._sent_tokens:
+            return False
+        now = self._clock()
+        if not self._held:
+            self._held_since = now
+        elif now - self._held_since >= MAX_HOLD_S:
+            return False
+        if self._held_tokens + len(event.new_token_ids) >= self.request.stream_interval:
+            return False
+        self._held.append(event)
+        self._held_tokens += len(event.new_token_ids)
+        return True
 
     def __aiter__(self) -> AsyncIterator[TokenEvent]:
         return self._iterate()

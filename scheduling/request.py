@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple, NewType
 
@@ -101,6 +102,9 @@ class Request:
     ttft_deadline: float | None = None
     predicted_output_tokens: int = 0  # set by the scheduler when the request arrives (output_lengths.py)
     itl_target_s: float | None = None  # its tenant's ITL target: steps it runs in are shaped to it
+    # Tokens its stream's reader is woken for at once after the first (scheduling/engine.py, RequestStream): 1
+    # wakes it at every step that gives the request a token.
+    stream_interval: int = 1
     adapter: LoraRef | None = None  # the LoRA adapter the request runs on; None for the base model
     # On a prefill replica (cluster/handoff.py): once its prompt is computed, the runner publishes the
     # prompt's full blocks for a decode replica to continue from.
@@ -153,3 +157,13 @@ class TokenEvent(NamedTuple):
     @property
     def is_final(self) -> bool:
         return self.finish_reason is not None
+
+
+def merged(first: TokenEvent, later: Sequence[TokenEvent]) -> TokenEvent:
+    """Consecutive events of one request as one: all their tokens, the counts and end of the last."""
+    if not later:
+        return first
+    tokens = first.new_token_ids + tuple(token for event in later for token in event.new_token_ids)
+    logprobs = first.logprobs + tuple(entry for event in later for entry in event.logprobs)
+    prompt_logprobs = first.prompt_logprobs + tuple(entry for event in later for entry in event.prompt_logprobs)
+    return later[-1]._replace(new_token_ids=tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs)

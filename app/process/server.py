@@ -45,7 +45,7 @@ logger = logging.getLogger(__name__)
 
 SERVE_FLAG_KEYS = ("host", "port", "served_model_name", "shutdown_grace_s", "max_body_bytes",
                    "default_max_tokens", "max_queued_requests", "batch_queue_fraction", "tenants_file",
-                   "metrics_names", "otlp_traces_endpoint")
+                   "metrics_names", "otlp_traces_endpoint", "stream_interval", "batch_stream_interval")
 # After the drain every generation has ended; this only bounds clients too slow to read their last bytes.
 CLOSE_TIMEOUT_S = 5
 
@@ -195,6 +195,10 @@ def add_serve_command(subparsers: argparse._SubParsersAction[argparse.ArgumentPa
                         help="requests the engine holds, running or waiting, before it refuses more (default 1024)")
     parser.add_argument("--batch-queue-fraction", type=float,
                         help="share of that queue batch-class requests may fill (default 0.75)")
+    parser.add_argument("--stream-interval", type=int,
+                        help="tokens an interactive stream sends at once after its first (default 1)")
+    parser.add_argument("--batch-stream-interval", type=int,
+                        help="the same for batch-class streams (service_tier flex; default 8, held at most 0.5 s)")
     parser.add_argument("--tenants", dest="tenants_file", help="a tenants TOML file: API keys, weights, limits")
     parser.add_argument("--metrics-names", choices=["fairlane", "vllm"],
                         help="vllm: serve every metric under the vllm: prefix too, for vLLM's dashboards")

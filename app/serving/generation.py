@@ -17,7 +17,7 @@ from app.serving.detokenizer import IncrementalDetokenizer
 from app.serving.stop_strings import StopStringMatcher
 from contract.plan import TokenLogprobs
 from gpu.tokenizer import Tokenizer
-from scheduling.request import Request, RequestStatus, TokenEvent
+from scheduling.request import Request, RequestStatus, TokenEvent, merged
 
 
 class GenerationFailed(Exception):
@@ -138,16 +138,6 @@ class TextGeneration:
         if tail.is_stopped:
             return self._piece(text + tail.text, "stop", tail.stop)
         return self._piece(text + tail.text + self._stops.flush(), finish_reason)
-
-
-def merged(first: TokenEvent, later: Sequence[TokenEvent]) -> TokenEvent:
-    """Consecutive events of one request as one: all their tokens, the counts and end of the last."""
-    if not later:
-        return first
-    tokens = first.new_token_ids + tuple(token for event in later for token in event.new_token_ids)
-    logprobs = first.logprobs + tuple(entry for event in later for entry in event.logprobs)
-    prompt_logprobs = first.prompt_logprobs + tuple(entry for event in later for entry in event.prompt_logprobs)
-    return later[-1]._replace(new_token_ids=tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
 
 
 async def collect(generation: TextGeneration) -> TextPiece:

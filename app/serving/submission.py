@@ -203,8 +203,17 @@ class ChoiceStarter:
                                           stop_token_ids=stop_token_ids, tenant_id=tenant.tenant_id,
                                           priority=priority, cache_salt=salt, adapter=adapter,
                                           cache_pin_tokens=cache_pin.num_tokens, cache_pin_ttl_s=cache_pin.ttl_s,
-                                          ttft_deadline=deadline, itl_target_s=itl_target_s))
+                                          ttft_deadline=deadline, itl_target_s=itl_target_s,
+                                          stream_interval=self._stream_interval(body, priority)))
         return requests
+
+    def _stream_interval(self, body: GenerationBody, priority: PriorityClass) -> int:
+        """Tokens the request's stream sends at once (config/settings.py, stream_interval): 1 for a request with
+        stop strings, which the API layer checks, so that no token past its stop is computed."""
+        if body.stop_strings:
+            return 1
+        settings = self.context.settings
+        return settings.batch_stream_interval if priority is PriorityClass.BATCH else settings.stream_interval
 
     @staticmethod
     def _ttft_deadline(body: GenerationBody, tenant: Tenant, priority: PriorityClass) -> float | None:

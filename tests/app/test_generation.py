@@ -1,4 +1,5 @@
-"""From token events to text pieces: coalescing a backlog, and the engine request closed whatever happens."""
+"""From token events to text pieces: coalescing a backlog, a stream's interval, and the engine request closed
+whatever happens."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ from app.serving.generation import GenerationFailed, TextGeneration, TextPiece
 from benchmarks.bench_stream import build_instant_engine
 from config.settings import load_settings
 from gpu.tokenizer import ByteTokenizer
-from scheduling.engine import Engine, RequestStream
-from scheduling.request import Request, RequestId, TokenEvent
+from scheduling.engine import MAX_HOLD_S, Engine, RequestStream
+from scheduling.request import PriorityClass, Request, RequestId, TokenEvent
 from tests.app.conftest import INSTANT_SETTINGS
 from tests.factories import running, wait_until
 
@@ -79,3 +80,56 @@ async def test_a_reader_that_leaves_aborts_the_request(engine: Engine) -> None:
     async with running(engine):
         await wait_until(lambda: engine.stats()["requests_aborted"] == 1, what="the request to be aborted")
     assert engine.stats()["requests_finished"] == 0
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def paced_stream(engine: Engine, interval: int, clock: Clock) -> RequestStream:
+    request = Request(RequestId("r"), [TOKENIZER.BOS], max_tokens=100, priority=PriorityClass.BATCH,
+                      stream_interval=interval)
+    return RequestStream(engine, request, clock)
+
+
+X = tuple(TOKENIZER.encode("x"))
+
+
+def token(stream: RequestStream, num_output: int, finish_reason: str | None = None) -> None:
+    stream.push(TokenEvent(RequestId("r"), X, finish_reason, 1, num_output))
+
+
+def test_a_stream_interval_wakes_the_reader_once_per_interval_with_one_event(engine: Engine) -> None:
+    stream = paced_stream(engine, 4, Clock())
+    token(stream, 1)
+    assert len(stream.take_ready()) == 1  # the first token goes at once
+
+    for n in range(2, 5):
+        token(stream, n)
+    assert stream.take_ready() == []
+    token(stream, 5)
+    assert [(e.new_token_ids, e.num_output_tokens) for e in stream.take_ready()] == [(X * 4, 5)]
+
+    token(stream, 6)
+    token(stream, 7, finish_reason="length")  # the end is never held
+    assert [(e.num_output_tokens, e.finish_reason) for e in stream.take_ready()] == [(7, "length")]
+
+
+def test_held_tokens_go_once_the_next_one_comes_past_the_longest_hold(engine: Engine) -> None:
+    clock = Clock()
+    stream = paced_stream(engine, 8, clock)
+    token(stream, 1)
+    stream.take_ready()
+    token(stream, 2)
+    clock.now = MAX_HOLD_S / 2
+    token(stream, 3)
+    assert stream.take_ready() == []
+
+    clock.now = MAX_HOLD_S
+    token(stream, 4)
+    assert [(e.new_token_ids, e.num_output_tokens) for e in stream.take_ready()] == [(X * 3, 4)]
+

@@ -155,6 +155,27 @@ def test_service_tier_picks_the_priority_class(http: httpx.Client, instant_serve
     assert all(payload.get("service_tier") == tier for payload in payloads)
 
 
+def test_a_batch_class_stream_sends_its_tokens_by_the_interval(http: httpx.Client,
+                                                                 instant_server: ServerThread) -> None:
+    interval = instant_server.context.settings.batch_stream_interval
+    _, payloads = stream_chat(http, instant_server, max_tokens=NUM_TOKENS, service_tier="flex")
+
+    contents = [c["delta"]["content"] for p in payloads for c in p["choices"] if c["delta"].get("content")]
+    assert instant_server.engine.submitted[-1].stream_interval == interval > 1
+    assert "".join(contents) == script_text(NUM_TOKENS)
+    assert contents[0] == script_text(1)  # the first token is not held
+    assert len(contents) <= 1 + -(-(NUM_TOKENS - 1) // interval)
+
+
+@pytest.mark.parametrize(("fields", "interval"), [
+    ({}, 1), ({"service_tier": "flex", "stop": ["never in the script"]}, 1)])
+def test_interactive_streams_and_stop_strings_send_each_token(http: httpx.Client, instant_server: ServerThread,
+                                                              fields: dict[str, Any], interval: int) -> None:
+    stream_chat(http, instant_server, max_tokens=4, **fields)
+
+    assert instant_server.engine.submitted[-1].stream_interval == interval
+
+
 def test_sampling_fields_reach_the_engine(http: httpx.Client, instant_server: ServerThread) -> None:
     http.post("/v1/chat/completions", json=chat_body(instant_server, max_completion_tokens=3, max_tokens=9,
                                                      temperature=0.5, top_p=0.25, seed=-3, ignore_eos=True))

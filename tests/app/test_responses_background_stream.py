@@ -108,7 +108,7 @@ def test_a_dropped_stream_keeps_running_and_resumes_after_its_cursor(
 
 
 def test_reattaching_while_it_runs_replays_then_follows() -> None:
-    server, executor = stepped_server()
+    server, executor = stepped_server(batch_stream_interval=1)  # a delta a token: the test counts them
     try:
         with client_of(server) as client:
             stream = client.responses.create(model=server.model_name, input="Hi", background=True, stream=True,
@@ -137,7 +137,7 @@ def test_reattaching_while_it_runs_replays_then_follows() -> None:
 
 def test_two_readers_follow_the_same_response() -> None:
     """One reader leaving disturbs neither the response nor the other reader."""
-    server, executor = stepped_server()
+    server, executor = stepped_server(batch_stream_interval=1)  # a delta a token: the test counts them
     try:
         with client_of(server) as client:
             stream = client.responses.create(model=server.model_name, input="Hi", background=True, stream=True,

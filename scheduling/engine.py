@@ -118,15 +118,26 @@ class RequestStream:
         self._sent_tokens = False
 
     def push(self, event: TokenEvent) -> None:
-        if self.request.stream_interval > 1 and self._hold(event):
-            return
+        if self.request.stream_interval > 1:  # one check on the common path: the engine pushes every token
+            paced = self._paced(event)
+            if paced is None:
+                return
+            event = paced
+        self._events.put_nowait(event)
+
+    def _paced(self, event: TokenEvent) -> TokenEvent | None:
+        """None while the event is held; else it, with the events held before it merged in."""
+        if self._holds(event):
+            self._held.append(event)
+            self._held_tokens += len(event.new_token_ids)
+            return None
         if self._held:
             event = merged(self._held[0], [*self._held[1:], event])
             self._held, self._held_tokens = [], 0
         self._sent_tokens = self._sent_tokens or bool(event.new_token_ids)
-        self._events.put_nowait(event)
+        return event
 
-    def _hold(self, event: TokenEvent) -> bool:
+    def _holds(self, event: TokenEvent) -> bool:
         if event.is_final or not self._sent_tokens:
             return False
         now = self._clock()
@@ -134,11 +145,7 @@ class RequestStream:
             self._held_since = now
         elif now - self._held_since >= MAX_HOLD_S:
             return False
-        if self._held_tokens + len(event.new_token_ids) >= self.request.stream_interval:
-            return False
-        self._held.append(event)
-        self._held_tokens += len(event.new_token_ids)
-        return True
+        return self._held_tokens + len(event.new_token_ids) < self.request.stream_interval
 
     def __aiter__(self) -> AsyncIterator[TokenEvent]:
         return self._iterate()

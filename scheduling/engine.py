@@ -112,10 +112,8 @@ class RequestStream:
         self._events: asyncio.Queue[TokenEvent] = asyncio.Queue()
         self.is_finished = False
         self._clock = clock
-        self._held: list[TokenEvent] = []
-        self._held_tokens = 0
+        self._held: TokenEvent | None = None  # the events held so far, merged into one
         self._held_since = 0.0
-        self._sent_tokens = False
 
     def push(self, event: TokenEvent) -> None:
         if self.request.stream_interval > 1:  # one check on the common path: the engine pushes every token
@@ -127,25 +125,26 @@ class RequestStream:
 
     def _paced(self, event: TokenEvent) -> TokenEvent | None:
         """None while the event is held; else it, with the events held before it merged in."""
-        if self._holds(event):
-            self._held.append(event)
-            self._held_tokens += len(event.new_token_ids)
+        held = self._held
+        if held is not None:
+            event = merged(held, [event])
+        if self._holds(event, starts_holding=held is None):
+            self._held = event
             return None
-        if self._held:
-            event = merged(self._held[0], [*self._held[1:], event])
-            self._held, self._held_tokens = [], 0
-        self._sent_tokens = self._sent_tokens or bool(event.new_token_ids)
+        self._held = None
         return event
 
-    def _holds(self, event: TokenEvent) -> bool:
-        if event.is_final or not self._sent_tokens:
+    def _holds(self, event: TokenEvent, starts_holding: bool) -> bool:
+        """Whether to hold `event` (the held ones merged in): not the end, not the request's first tokens, not
+        an interval's worth, and not past MAX_HOLD_S since the first of them was held."""
+        if event.is_final or event.num_output_tokens <= len(event.new_token_ids):
             return False
-        now = self._clock()
-        if not self._held:
-            self._held_since = now
-        elif now - self._held_since >= MAX_HOLD_S:
+        if len(event.new_token_ids) >= self.request.stream_interval:
             return False
-        return self._held_tokens + len(event.new_token_ids) < self.request.stream_interval
+        if starts_holding:
+            self._held_since = self._clock()
+            return True
+        return self._clock() - self._held_since < MAX_HOLD_S
 
     def __aiter__(self) -> AsyncIterator[TokenEvent]:
         return self._iterate()

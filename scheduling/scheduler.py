@@ -734,6 +734,7 @@ class Scheduler:
         room = RoomNow(self.lora, self.load, owed)
         passed_over: set[str] = set()
         queue = self.waiting[priority]
+        cross_tenant_full = False  # another tenant's batch found no room beside the streams: none will
         with queue.passing_over():
             for request in self._not_running_in_order(priority, passed_over):
                 if len(self.running) >= self.config.max_num_seqs or step.tokens_left <= 0:
@@ -743,7 +744,8 @@ class Scheduler:
                     continue  # swapped: it waits for a LoRA slot or room under max_concurrent, holding neither
                 swapped = request.status is RequestStatus.SWAPPED
                 # A waiting request whose cached prefix continues on disk is admitted once it is read.
-                if verdict.hold is Hold.TENANT or (not swapped and self.blocks.read_from_disk(request)):
+                if (verdict.hold is Hold.TENANT or (not swapped and self.blocks.read_from_disk(request))
+                        or (cross_tenant_full and self._is_cross_tenant(step, request))):
                     passed_over.add(request.tenant_id)
                     continue
                 stalls = not swapped and self._stalls_streams(request, verdict.num_new)
@@ -754,9 +756,22 @@ class Scheduler:
                     self._prompt_started_step = self.counters.num_steps
                 if not started and self._waits_its_turn(request, verdict.num_new, step):
                     passed_over.add(request.tenant_id)  # the other tenants' prompts are not held behind it
+                elif not started and self._is_cross_tenant(step, request) and self._streams_batch_waits(step):
+                    cross_tenant_full = True  # the streams' own tenants' batch, bound by their target, may fit
+                    passed_over.add(request.tenant_id)
                 elif not started:
                     return False
         return True
+
+    def _streams_batch_waits(self, step: StepBuilder) -> bool:
+        """Whether a tenant whose streams decode in this step has batch work waiting or swapped out. Its work
+        beside its own streams is bound by their target, not the cross-tenant one: where another tenant's
+        batch found no room, it may. Else, with the other tenant first in VTC's order, it would wait until
+        that tenant's counter caught up, which the cross-tenant bound slows (docs/preemption.md)."""
+        tenants = step.decoding_tenants or frozenset()
+        waiting = self.waiting[PriorityClass.BATCH].tenants()
+        return any(t in waiting for t in tenants) or any(
+            r.priority is PriorityClass.BATCH and r.tenant_id in tenants for r in self.swapped)
 
     def _spaces_prompts(self) -> bool:
         """Whether a prompt that stalls the streams waits, so as not to start beside another, or right behind

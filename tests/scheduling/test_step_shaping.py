@@ -503,6 +503,31 @@ def test_a_light_tenants_small_batch_shares_the_room_a_flood_started_first_takes
     assert tokens["light"] >= 0.4 * (tokens["light"] + tokens["flood"])
 
 
+def test_a_tenants_batch_beside_its_own_streams_is_not_held_behind_another_tenants_batch() -> None:
+    """A light tenant's streams decode while a neighbour's batch flood waits, held beside them to the
+    cross-tenant target. The light tenant sends a batch of eight: as its first ones run, its counter passes
+    the neighbour's, and the neighbour's next request, first in VTC's order, finds no room beside the
+    streams. The light tenant's own requests, bound by its streams' own target, start behind it in the
+    same steps, not one at a time as the neighbour's counter catches up (a step in 40 each, before);
+    the flood keeps moving."""
+    sim = Simulation(ShapingConfig(), backlog=0)
+    streams_decoding(sim, GroupedRowsCost(), num_streams=2, tenant_id="light")
+    flood = [make_request(48, 300, priority=BATCH, tenant_id="flood") for _ in range(24)]
+    for request in flood:
+        sim.scheduler.add_request(request)
+    for _ in range(10):
+        sim.step()
+    light = [make_request(48, 40, priority=BATCH, tenant_id="light") for _ in range(8)]
+    for request in light:
+        sim.scheduler.add_request(request)
+    flood_ids, flood_tokens = {r.request_id for r in flood}, 0
+    for _ in range(40):
+        plan = sim.step()
+        flood_tokens += sum(len(s.token_ids) for s in plan.sequences if s.request_id in flood_ids)
+    assert all(r.num_computed_tokens > 0 for r in light)
+    assert flood_tokens >= 40  # about what it had with the light requests waiting (53 of 40 steps)
+
+
 def light_rows_beside_a_flood(light_rows: int, flood_rows: int) -> list[tuple[float, float, int]]:
     """A tenant's batch flood of `flood_rows` running when a light tenant starts `light_rows` batch requests,
     on steps whose time grows with their rows, and no interactive work. For each step after the one starting

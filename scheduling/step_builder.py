@@ -3,7 +3,7 @@ time left for shaped work."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from contract.plan import ScheduledSequence, StepPlan
 from scheduling.block_manager import KVBlockManager
@@ -27,6 +27,7 @@ class StepBuilder:
     shaping_decided: bool = False
     batch_floor_tokens: int = 0  # batch_min_share's tokens, which shaping never takes from batch
     batch_tokens: int = 0
+    batch_tenants: set[str] = field(default_factory=set)  # the tenants with batch work in the step so far
     num_tokens: int = 0  # tokens the step computes so far
 
     def add(self, request: Request, num_new: int, block_table: tuple[int, ...] | None = None) -> None:
@@ -50,6 +51,7 @@ class StepBuilder:
         self.num_tokens += num_new
         if request.priority is PriorityClass.BATCH:
             self.batch_tokens += num_new
+            self.batch_tenants.add(request.tenant_id)
 
     def add_decodes(self, requests: list[Request], block_tables: list[tuple[int, ...]]) -> None:
         """`add(request, 1, table)` for interactive requests decoding one token each: the bulk of a busy

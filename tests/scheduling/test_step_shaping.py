@@ -528,6 +528,37 @@ def test_a_tenants_batch_beside_its_own_streams_is_not_held_behind_another_tenan
     assert flood_tokens >= 40  # about what it had with the light requests waiting (53 of 40 steps)
 
 
+def own_batch_beside_own_streams(neighbour_rows: int) -> int:
+    """A neighbour's `neighbour_rows` long batch requests running, then a light tenant's two streams and
+    eight long batch requests: the light batch's tokens in 300 steps."""
+    sim = Simulation(ShapingConfig(), backlog=0)
+    for _ in range(neighbour_rows):
+        sim.scheduler.add_request(make_request(16, 900, priority=BATCH, tenant_id="neighbour"))
+    for _ in range(5):
+        sim.step()
+    streams_decoding(sim, KnownCost(), num_streams=2, tenant_id="light")
+    light = [make_request(16, 900, priority=BATCH, tenant_id="light") for _ in range(8)]
+    for request in light:
+        sim.scheduler.add_request(request)
+    light_ids, tokens = {r.request_id for r in light}, 0
+    for _ in range(300):
+        plan = sim.step()
+        tokens += sum(len(s.token_ids) for s in plan.sequences if s.request_id in light_ids)
+    return tokens
+
+
+def test_a_tenants_batch_beside_its_own_streams_keeps_their_room_when_the_neighbours_is_held_out() -> None:
+    """The neighbour's four batch requests are the running batch its tenant's queue has served least, and
+    the light tenant runs more rows, served more: a step holding the neighbour's rows holds the light
+    rows to a share of it. But beside the light streams the cross-tenant bound holds the neighbour's rows
+    out, and the share then kept nothing short: it held the light batch to half the tokens it computes
+    with no neighbour, and the streams' room went unused. In steps without the neighbour's rows the light
+    batch now takes the room its streams leave."""
+    alone = own_batch_beside_own_streams(neighbour_rows=0)
+    beside = own_batch_beside_own_streams(neighbour_rows=4)
+    assert beside >= 0.9 * alone
+
+
 def light_rows_beside_a_flood(light_rows: int, flood_rows: int) -> list[tuple[float, float, int]]:
     """A tenant's batch flood of `flood_rows` running when a light tenant starts `light_rows` batch requests,
     on steps whose time grows with their rows, and no interactive work. For each step after the one starting

@@ -512,39 +512,41 @@ def test_a_tenants_batch_beside_its_own_streams_is_not_held_behind_another_tenan
     the flood keeps moving."""
     sim = Simulation(ShapingConfig(), backlog=0)
     streams_decoding(sim, GroupedRowsCost(), num_streams=2, tenant_id="light")
-    flood = [make_request(48, 300, priority=BATCH, tenant_id="flood") for _ in range(24)]
-    for request in flood:
-        sim.scheduler.add_request(request)
+    flood = add_batch(sim, 24, "flood", prompt=48, max_tokens=300)
     for _ in range(10):
         sim.step()
-    light = [make_request(48, 40, priority=BATCH, tenant_id="light") for _ in range(8)]
-    for request in light:
-        sim.scheduler.add_request(request)
-    flood_ids, flood_tokens = {r.request_id for r in flood}, 0
-    for _ in range(40):
-        plan = sim.step()
-        flood_tokens += sum(len(s.token_ids) for s in plan.sequences if s.request_id in flood_ids)
+    light = add_batch(sim, 8, "light", prompt=48, max_tokens=40)
+    flood_tokens = tokens_computed(sim, flood, num_steps=40)
     assert all(r.num_computed_tokens > 0 for r in light)
-    assert flood_tokens >= 40  # about what it had with the light requests waiting (53 of 40 steps)
+    assert flood_tokens >= 40  # it had 53 tokens in these 40 steps while the light requests waited
+
+
+def add_batch(sim: Simulation, count: int, tenant_id: str, prompt: int, max_tokens: int) -> list[Request]:
+    requests = [make_request(prompt, max_tokens, priority=BATCH, tenant_id=tenant_id) for _ in range(count)]
+    for request in requests:
+        sim.scheduler.add_request(request)
+    return requests
+
+
+def tokens_computed(sim: Simulation, requests: list[Request], num_steps: int) -> int:
+    """The tokens of `requests` the next num_steps steps compute."""
+    ids, tokens = {r.request_id for r in requests}, 0
+    for _ in range(num_steps):
+        plan = sim.step()
+        tokens += sum(len(s.token_ids) for s in plan.sequences if s.request_id in ids)
+    return tokens
 
 
 def own_batch_beside_own_streams(neighbour_rows: int) -> int:
     """A neighbour's `neighbour_rows` long batch requests running, then a light tenant's two streams and
     eight long batch requests: the light batch's tokens in 300 steps."""
     sim = Simulation(ShapingConfig(), backlog=0)
-    for _ in range(neighbour_rows):
-        sim.scheduler.add_request(make_request(16, 900, priority=BATCH, tenant_id="neighbour"))
+    add_batch(sim, neighbour_rows, "neighbour", prompt=16, max_tokens=900)
     for _ in range(5):
         sim.step()
     streams_decoding(sim, KnownCost(), num_streams=2, tenant_id="light")
-    light = [make_request(16, 900, priority=BATCH, tenant_id="light") for _ in range(8)]
-    for request in light:
-        sim.scheduler.add_request(request)
-    light_ids, tokens = {r.request_id for r in light}, 0
-    for _ in range(300):
-        plan = sim.step()
-        tokens += sum(len(s.token_ids) for s in plan.sequences if s.request_id in light_ids)
-    return tokens
+    light = add_batch(sim, 8, "light", prompt=16, max_tokens=900)
+    return tokens_computed(sim, light, num_steps=300)
 
 
 def test_a_tenants_batch_beside_its_own_streams_keeps_their_room_when_the_neighbours_is_held_out() -> None:

@@ -124,27 +124,26 @@ class RequestStream:
         self._events.put_nowait(event)
 
     def _paced(self, event: TokenEvent) -> TokenEvent | None:
-        """None while the event is held; else it, with the events held before it merged in."""
+        """None while the event is held; else it, with the events held before it merged in. Held events are
+        let go once MAX_HOLD_S has passed since the first of them was held."""
         held = self._held
-        if held is not None:
-            event = merged(held, [event])
-        if self._holds(event, starts_holding=held is None):
+        if held is None:
+            if not self._may_hold(event):
+                return event
+            self._held, self._held_since = event, self._clock()
+            return None
+        event = merged(held, [event])
+        if self._may_hold(event) and self._clock() - self._held_since < MAX_HOLD_S:
             self._held = event
             return None
         self._held = None
         return event
 
-    def _holds(self, event: TokenEvent, starts_holding: bool) -> bool:
-        """Whether to hold `event` (the held ones merged in): not the end, not the request's first tokens, not
-        an interval's worth, and not past MAX_HOLD_S since the first of them was held."""
-        if event.is_final or event.num_output_tokens <= len(event.new_token_ids):
-            return False
-        if len(event.new_token_ids) >= self.request.stream_interval:
-            return False
-        if starts_holding:
-            self._held_since = self._clock()
-            return True
-        return self._clock() - self._held_since < MAX_HOLD_S
+    def _may_hold(self, event: TokenEvent) -> bool:
+        """Whether `event` (the held ones merged in) may be held: not the end, not the request's first tokens,
+        not an interval's worth."""
+        return not (event.is_final or event.num_output_tokens <= len(event.new_token_ids)
+                    or len(event.new_token_ids) >= self.request.stream_interval)
 
     def __aiter__(self) -> AsyncIterator[TokenEvent]:
         return self._iterate()

@@ -12,7 +12,7 @@ from gpu.tokenizer import ByteTokenizer
 from scheduling.engine import MAX_HOLD_S, Engine, RequestStream
 from scheduling.request import PriorityClass, Request, RequestId, TokenEvent
 from tests.app.conftest import INSTANT_SETTINGS
-from tests.factories import running, wait_until
+from tests.factories import VirtualClock, running, wait_until
 
 TOKENIZER = ByteTokenizer()
 
@@ -82,15 +82,7 @@ async def test_a_reader_that_leaves_aborts_the_request(engine: Engine) -> None:
     assert engine.stats()["requests_finished"] == 0
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def paced_stream(engine: Engine, interval: int, clock: Clock) -> RequestStream:
+def paced_stream(engine: Engine, interval: int, clock: VirtualClock) -> RequestStream:
     request = Request(RequestId("r"), [TOKENIZER.BOS], max_tokens=100, priority=PriorityClass.BATCH,
                       stream_interval=interval)
     return RequestStream(engine, request, clock)
@@ -104,7 +96,7 @@ def token(stream: RequestStream, num_output: int, finish_reason: str | None = No
 
 
 def test_a_stream_interval_wakes_the_reader_once_per_interval_with_one_event(engine: Engine) -> None:
-    stream = paced_stream(engine, 4, Clock())
+    stream = paced_stream(engine, 4, VirtualClock())
     token(stream, 1)
     assert len(stream.take_ready()) == 1  # the first token goes at once
 
@@ -120,7 +112,7 @@ def test_a_stream_interval_wakes_the_reader_once_per_interval_with_one_event(eng
 
 
 def test_held_tokens_go_once_the_next_one_comes_past_the_longest_hold(engine: Engine) -> None:
-    clock = Clock()
+    clock = VirtualClock()
     stream = paced_stream(engine, 8, clock)
     token(stream, 1)
     stream.take_ready()

@@ -21,6 +21,7 @@ class StepBuilder:
     shaped_time_left_s: float | None = None
     prompt_time_left_s: float | None = None  # what tenants' long interactive prompts may take (step_shaper.py)
     cross_tenant_time_left_s: float | None = None  # what batch work beside another tenant's interactive may take
+    cross_tenant_spends: bool = False  # whether that is the cross-tenant room saved up (step_shaper.py)
     served_more_time_left_s: float | None = None  # what batch work of tenants served more than the least may take
     long_prompt_turn: bool = False  # whether they may take any
     decoding_tenants: frozenset[str] | None = None  # the tenants with interactive decodes in the step, once asked

@@ -80,7 +80,7 @@ class ShapingConfig:
     interactive_itl_slack: float = 1.1  # the derived target: this times the interactive work's predicted time,
     interactive_itl_decodes: float = 2.0  # and at least this times a lone decode step's measured time,
     interactive_batch_share: float = 0.55  # and at least the streams' own work / (1 - this): batch's share of time
-    interactive_itl_decodes_cross_tenant: float = 1.3  # the same, per step, for batch work of another tenant
+    interactive_itl_decodes_cross_tenant: float = 1.3  # the same for another tenant's batch work, saved up apart
     served_less_step_slack: float = 1.3  # others' batch may grow a step of the least-served tenant's by this much
     interactive_ttft_slack: float = 1.0  # a step starting an interactive prompt: this times its interactive work
     arrival_budget_s: float | None = None  # a fixed arrival budget; None derives it as below
@@ -119,6 +119,9 @@ class StepShaper:
         self._credit_s = 0.0
         self._unsettled: tuple[StepPlan, float, float] | None = None
         self._steps_since_spent = 0  # steps settled under the derived target since one ran past it
+        # Under the derived target, the room the cross-tenant target left in the streams' steps, saved up for
+        # other tenants' batch work (see _open_cross_tenant_room).
+        self._cross_tenant_credit_s = 0.0
         self._last_step_end: float | None = None  # when the last step observed ended, on the scheduler's clock
 
     def shapes(self, request: Request) -> bool:
@@ -242,7 +245,11 @@ class StepShaper:
                                      and self._steps_since_spent >= self.config.saved_room_every - 1)
             step.shaped_time_left_s = room if spends else 0.0
             cross_tenant_target = self._derived_target_s(predicted, self.config.interactive_itl_decodes_cross_tenant)
-            step.cross_tenant_time_left_s = max(0.0, min(target, cross_tenant_target) - predicted)
+            cross_tenant_room = max(0.0, min(target, cross_tenant_target) - predicted)
+            if derived:
+                self._open_cross_tenant_room(step, cross_tenant_room, most_s - predicted)
+            else:
+                step.cross_tenant_time_left_s = cross_tenant_room  # a fixed target bounds every step
             if derived:
                 self._unsettled = (step.plan, target, most_s - target)
             # Tenants' long prompts take turns: a step in long_prompt_every, up to the arrival budget or the
@@ -254,6 +261,19 @@ class StepShaper:
             turn_s = self._turn_s(arrival_budget, streams_target, tenant_target_s)
             step.prompt_time_left_s = max(0.0, turn_s - predicted)
         self.counters.shaped_steps += 1
+
+    def _open_cross_tenant_room(self, step: StepBuilder, room_s: float, most_s: float) -> None:
+        """Under the derived target, the room the cross-tenant target leaves in this step is saved up. Other
+        tenants' batch work beside the streams runs only once that room fills a step of the streams' own saved-up
+        room's ceiling (`most_s`), and in a step that spends no room of the streams' own (`_one_spender`).
+        Granted a little of every step instead, it ran in a fifth of a light tenant's steps beside a noisy
+        neighbour on a Zen 5 EPYC, and in its pinned prompts' turns (53 ms against 36 ms without). The room
+        was about nothing there: the streams' own step is near the target already. Its rows came in where the
+        cost model's bucket residual priced them at or below nothing, at the row counts where a CPU's kernels
+        change (see `fit`; docs/loadtest.md)."""
+        self._cross_tenant_credit_s = min(self._cross_tenant_credit_s + room_s, most_s)
+        step.cross_tenant_spends = _is_full(self._cross_tenant_credit_s, most_s)
+        step.cross_tenant_time_left_s = self._cross_tenant_credit_s if step.cross_tenant_spends else 0.0
 
     def _spend_ceiling_s(self, arrival_budget_s: float, predicted_s: float) -> float:
         """The longest step the streams' saved-up room may make: `saved_room_budgets` arrival budgets. Past the
@@ -294,10 +314,10 @@ class StepShaper:
 
     def _derived_target_s(self, interactive_predicted_s: float, lone_decodes: float) -> float:
         """The slack's target, or `lone_decodes` lone decode steps if longer. With `interactive_itl_decodes`
-        the streams' own target; with `interactive_itl_decodes_cross_tenant`, what a step may take with
-        another tenant's batch work in it, per step and never carried: one tenant's batch must not slow
-        another tenant's streams as far as the derived target lets work beside them (a neighbour's batch
-        flood took a light tenant's ITL p50 to 1.5x, docs/loadtest.md)."""
+        the streams' own target; with `interactive_itl_decodes_cross_tenant`, what their steps may take on
+        average with another tenant's batch work (a fixed target: in every step; see _open_cross_tenant_room):
+        one tenant's batch must not slow another tenant's streams as far as the derived target lets work
+        beside them (a neighbour's batch flood took a light tenant's ITL p50 to 1.5x, docs/loadtest.md)."""
         lone_decode_s = self.cost_model.lone_decode_s or 0.0
         return max(self.config.interactive_itl_slack * interactive_predicted_s, lone_decodes * lone_decode_s)
 
@@ -349,9 +369,10 @@ class StepShaper:
             long_prompt: bool = False, cross_tenant: bool = False, served_more: bool = False) -> int:
         """How many of the wanted tokens the request may compute in this step, and take their time. A
         tenant's `long_prompt` takes only in its turn, from the time turns have (see open_budget); a
-        `cross_tenant` request (batch work beside another tenant's interactive requests) only from the time
-        left under the cross-tenant target; a `served_more` one (batch work of a tenant served more than the
-        running one served least, see open_served_more_budget) only from what that left."""
+        `cross_tenant` request (batch work beside another tenant's interactive requests) only from the
+        cross-tenant room, priced at the cost model's line at least (see _open_cross_tenant_room); a
+        `served_more` one (batch work of a tenant served more than the running one served least, see
+        open_served_more_budget) only from what that left."""
         coefficients, shaped_left = self.cost_model.coefficients, step.shaped_time_left_s
         served_more_left = step.served_more_time_left_s if served_more else None
         if shaped_left is None and served_more_left is not None:
@@ -359,8 +380,11 @@ class StepShaper:
         if shaped_left is None or coefficients is None or wanted <= 0:
             return wanted
         time_left = shaped_left if served_more_left is None else min(shaped_left, served_more_left)
-        cross_left = step.cross_tenant_time_left_s
-        if cross_tenant and cross_left is not None:
+        cross_room = step.cross_tenant_time_left_s
+        cross_left = cross_room if cross_tenant else None
+        if cross_left is not None and step.cross_tenant_spends:  # its own room saved up, not the streams'
+            time_left = cross_left if served_more_left is None else min(cross_left, served_more_left)
+        elif cross_left is not None:
             time_left = min(time_left, cross_left)
         if long_prompt:
             if not step.long_prompt_turn:  # it waits: the streams' step holds none of it
@@ -374,7 +398,11 @@ class StepShaper:
         residual, tokens = self.cost_model.residual, step.num_tokens
 
         def cost(n: int) -> float:  # the line's, and the change of bucket residual (a kernel change)
-            return coefficients.added_by(n, start) + swap_s + residual(tokens + n) - residual(tokens)
+            line = coefficients.added_by(n, start) + swap_s
+            with_residual = line + residual(tokens + n) - residual(tokens)
+            # Another tenant's rows are never priced below the line: where the residual falls they came at or
+            # below nothing, and a step with no room took them (see _open_cross_tenant_room).
+            return max(with_residual, line) if cross_left is not None else with_residual
 
         if wanted == 1:  # a decode, the common case: one check, no search
             granted = 1 if cost(1) <= time_left else self._floor(step, request, 1)
@@ -386,8 +414,10 @@ class StepShaper:
                 step.shaped_time_left_s = max(0.0, shaped_left - spent)
             if served_more_left is not None:
                 step.served_more_time_left_s = max(0.0, served_more_left - spent)
-            if cross_left is not None:
-                step.cross_tenant_time_left_s = max(0.0, cross_left - spent)
+            if cross_room is not None:
+                step.cross_tenant_time_left_s = max(0.0, cross_room - spent)
+            if step.cross_tenant_spends and spent > 0:
+                self._one_spender(step, cross_tenant=cross_left is not None)
             if long_prompt:
                 self._long_prompt_waits = 0
                 self._unsettled = None  # a turn's step is not settled (see _settle)
@@ -397,6 +427,20 @@ class StepShaper:
         elif long_prompt:
             self.counters.long_prompt_tokens_deferred += wanted - granted
         return granted
+
+    def _one_spender(self, step: StepBuilder, cross_tenant: bool) -> None:
+        """A step that may spend the cross-tenant room saved up spends it or the streams' own room, not both.
+        The first batch work to take time there decides (the tenant served least's comes first). Other
+        tenants' work spends all of its room, whatever it leaves, so the next steps hold none of it. Such a
+        step is not the streams' own room to settle (see _settle): their room stays saved for a step of its
+        own."""
+        if cross_tenant:
+            self._cross_tenant_credit_s = 0.0
+            self._unsettled = None
+            step.shaped_time_left_s = 0.0
+        else:
+            step.cross_tenant_time_left_s = 0.0
+        step.cross_tenant_spends = cross_tenant
 
     def _note_long_prompt_wait(self, step: StepBuilder) -> None:
         """Count the steps in which a long prompt waited (once each, whatever the number of prompts)."""

@@ -458,18 +458,25 @@ def test_batch_keeps_its_share_of_the_streams_time_where_their_step_is_nearly_tw
     assert statistics.mean(without_share) <= 1.12 * streams_s  # two lone decodes alone: little batch work
 
 
-def test_another_tenants_batch_is_held_to_the_cross_tenant_target_in_every_step() -> None:
-    """Another tenant's batch work lengthens no step the streams decode in past 1.3 lone decodes (a bound on
-    every step: the room is not carried), and still moves, within the kernels' row group; the streams' own
-    tenant's batch work takes their steps to twice a lone decode on average."""
-    light = grouped_rows_run(ShapingConfig(), num_streams=2, streams_tenant="light")
-    seconds, batch_decodes, lone_decode_s = light.seconds, light.batch_decodes, light.lone_decode_s
-    assert max(seconds) <= 1.3 * lone_decode_s * 1.05
-    assert batch_decodes >= 100  # a row or two a step, within the group of four
-    own = grouped_rows_run(ShapingConfig(), num_streams=2)
-    own_seconds, own_batch_decodes = own.seconds, own.batch_decodes
-    assert sum(own_seconds) / len(own_seconds) > 1.5 * lone_decode_s
-    assert own_batch_decodes > batch_decodes
+def test_another_tenants_batch_runs_beside_the_streams_in_steps_of_its_own() -> None:
+    """Another tenant's batch work beside the streams takes the room the cross-tenant target (1.3 lone
+    decodes) leaves, saved up and spent in a step of its own: the streams' other steps hold none of it, so
+    their median gap is their own step, and on average their steps stay within the target. On kernels that
+    take rows in groups its rows had come in where the cost model priced them at nothing, in 198 of 200
+    steps. It still moves, as far as it did; the streams' own tenant's batch takes their steps to twice a
+    lone decode on average."""
+    config = ShapingConfig()
+    light = grouped_rows_run(config, num_streams=2, streams_tenant="light")
+    seconds, lone_decode_s = light.seconds, light.lone_decode_s
+    streams_s = min(seconds)
+    assert statistics.median(seconds) <= 1.01 * streams_s
+    assert sum(step > 1.01 * streams_s for step in seconds) <= len(seconds) / 10
+    assert statistics.mean(seconds) <= config.interactive_itl_decodes_cross_tenant * lone_decode_s * 1.05
+    assert max(seconds) <= config.saved_room_budgets * light.arrival_budget_s * 1.05
+    assert light.batch_tokens >= 200  # 250 with a row or two in every step
+    own = grouped_rows_run(config, num_streams=2)
+    assert statistics.mean(own.seconds) > 1.5 * lone_decode_s
+    assert own.batch_tokens > 2 * light.batch_tokens
 
 
 def test_a_light_tenants_small_batch_shares_the_room_a_flood_started_first_takes() -> None:

@@ -414,8 +414,8 @@ class StepShaper:
                 step.shaped_time_left_s = max(0.0, shaped_left - spent)
             if served_more_left is not None:
                 step.served_more_time_left_s = max(0.0, served_more_left - spent)
-            if cross_room is not None:
-                step.cross_tenant_time_left_s = max(0.0, cross_room - spent)
+            if cross_room is not None:  # a row priced below nothing makes no room for another tenant's
+                step.cross_tenant_time_left_s = max(0.0, cross_room - max(spent, 0.0))
             if step.cross_tenant_spends and spent > 0:
                 self._one_spender(step, cross_tenant=cross_left is not None)
             if long_prompt:

@@ -15,8 +15,9 @@ from benchmarks.fake_executors import StepCostModel as SimulatedCosts
 from contract.plan import SamplingParams, ScheduledSequence, StepPlan, StepResult
 from scheduling.request import PriorityClass, Request
 from scheduling.scheduler import Scheduler, SchedulerConfig
-from scheduling.step_cost import StepCostModel, StepWork
-from scheduling.step_shaper import ShapingConfig, work_of
+from scheduling.step_builder import StepBuilder
+from scheduling.step_cost import CostCoefficients, StepCostModel, StepWork
+from scheduling.step_shaper import ShapingConfig, StepShaper, work_of
 from tests.factories import make_request, make_scheduler
 
 BATCH, INTERACTIVE = PriorityClass.BATCH, PriorityClass.INTERACTIVE
@@ -477,6 +478,26 @@ def test_another_tenants_batch_runs_beside_the_streams_in_steps_of_its_own() -> 
     own = grouped_rows_run(config, num_streams=2)
     assert statistics.mean(own.seconds) > 1.5 * lone_decode_s
     assert own.batch_tokens > 2 * light.batch_tokens
+
+
+def test_another_tenants_row_is_priced_at_the_line_and_a_cheap_row_makes_it_no_room() -> None:
+    """Where the cost model's bucket residual falls (a kernel change), a batch row comes at or below nothing.
+    The streams' own tenant's row may still join a step with no room; another tenant's never does, and the
+    cheap row leaves it no room either."""
+    model = StepCostModel()
+    model.coefficients = CostCoefficients(fixed_s=0.005, per_token_s=0.001, per_sequence_s=0.0, per_attention_s=0.0,
+                                          per_swapped_block_s=0.0)
+    model.residual = lambda num_tokens: -0.004 if num_tokens > 2 else 0.0  # type: ignore[method-assign]
+    shaper = StepShaper(ShapingConfig(), block_size=16, cost_model=model)
+    decodes = [ScheduledSequence(f"stream-{i}", [1], 16, (0,), True, SamplingParams()) for i in range(2)]
+    step = StepBuilder(StepPlan(sequences=decodes), tokens_left=510, blocks=None,  # type: ignore[arg-type]
+                       shaped_time_left_s=0.0, cross_tenant_time_left_s=0.0)
+    step.num_tokens = 2
+    own = make_request(16, 8, priority=BATCH, tenant_id="light")
+    neighbour = make_request(16, 8, priority=BATCH, tenant_id="neighbour")
+    assert shaper.fit(step, own, 1) == 1  # 1 ms on the line, 4 ms off the residual
+    assert step.cross_tenant_time_left_s == 0.0
+    assert shaper.fit(step, neighbour, 1, cross_tenant=True) == 0
 
 
 def test_a_light_tenants_small_batch_shares_the_room_a_flood_started_first_takes() -> None:

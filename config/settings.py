@@ -145,9 +145,10 @@ class Settings(BaseModel):
     # and at least the interactive work's own time / (1 - this): the share of the streams' time batch work takes
     # on average beside them, in steps of its own (their median gap stays their own steps').
     interactive_batch_share: float = Field(default=0.55, ge=0.0, lt=1.0)
-    # Another tenant's batch work beside a tenant's interactive requests: each step held to this x a lone decode
-    # step (or the slack's target, if higher), never carried over: one tenant's batch does not take another's
-    # streams to interactive_itl_decodes (scheduling/step_shaper.py).
+    # Another tenant's batch work beside a tenant's interactive requests: the streams' steps held to this x a lone
+    # decode step (or the slack's target, if higher) on average, the room saved up and spent in steps of its own
+    # (under a fixed target: in every step): one tenant's batch does not take another's streams to
+    # interactive_itl_decodes (scheduling/step_shaper.py).
     interactive_itl_decodes_cross_tenant: float = Field(default=1.3, ge=0.0)
     # A step holding the batch work of the running tenant its batch queue has served least: other tenants
     # running more batch rows may lengthen it to this x its time so far, no more.

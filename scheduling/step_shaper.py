@@ -266,7 +266,7 @@ class StepShaper:
         """Under the derived target, the room the cross-tenant target leaves in this step is saved up. Other
         tenants' batch work beside the streams runs only once that room fills a step of the streams' own saved-up
         room's ceiling (`most_s`), and in a step that spends no room of the streams' own (`_one_spender`).
-        Granted a little of every step instead, it ran in a fifth of a light tenant's steps beside a noisy
+        Granted a little of every step instead, it ran in 12-19% of a light tenant's steps beside a noisy
         neighbour on a Zen 5 EPYC, and in its pinned prompts' turns (53 ms against 36 ms without). The room
         was about nothing there: the streams' own step is near the target already. Its rows came in where the
         cost model's bucket residual priced them at or below nothing, at the row counts where a CPU's kernels

@@ -429,11 +429,11 @@ class StepShaper:
         return granted
 
     def _one_spender(self, step: StepBuilder, cross_tenant: bool) -> None:
-        """A step that may spend the cross-tenant room saved up spends it or the streams' own room, not both.
-        The first batch work to take time there decides (the tenant served least's comes first). Other
-        tenants' work spends all of its room, whatever it leaves, so the next steps hold none of it. Such a
-        step is not the streams' own room to settle (see _settle): their room stays saved for a step of its
-        own."""
+        """A step that may spend the cross-tenant room saved up spends it or other shaped time, not both. The
+        first shaped work to take time there decides: batch work (the tenant served least's comes first), or a
+        turn of a tenant's long prompt, whose steps are long already. Other tenants' batch work spends all of
+        its room, whatever it leaves, so the next steps hold none of it. Such a step is not the streams' own
+        room to settle (see _settle): their room stays saved for a step of its own."""
         if cross_tenant:
             self._cross_tenant_credit_s = 0.0
             self._unsettled = None

@@ -518,10 +518,15 @@ class Scheduler:
         8-line batch took 4.3x as long as alone (docs/loadtest.md)."""
         if request.priority is not PriorityClass.BATCH:
             return False
-        tenants = step.decoding_tenants
-        if tenants is None:  # once a step: its interactive work is all in the plan before any batch work
-            tenants = step.decoding_tenants = self._interactive_decoding_tenants(step.plan)
+        tenants = self._decoding_tenants(step)
         return len(tenants) > 1 or (len(tenants) == 1 and request.tenant_id not in tenants)
+
+    def _decoding_tenants(self, step: StepBuilder) -> frozenset[str]:
+        """The tenants with interactive decodes in the step, found once a step: its interactive work is all in
+        the plan before any batch work."""
+        if step.decoding_tenants is None:
+            step.decoding_tenants = self._interactive_decoding_tenants(step.plan)
+        return step.decoding_tenants
 
     def _interactive_decoding_tenants(self, plan: StepPlan) -> frozenset[str]:
         requests = self.requests
@@ -776,7 +781,7 @@ class Scheduler:
         beside its own streams is bound by their target, not the cross-tenant one: where another tenant's
         batch found no room, it may. Else, with the other tenant first in VTC's order, it would wait until
         that tenant's counter caught up, which the cross-tenant bound slows (docs/preemption.md)."""
-        tenants = step.decoding_tenants or frozenset()
+        tenants = self._decoding_tenants(step)
         waiting = self.waiting[PriorityClass.BATCH].tenants()
         return any(t in waiting for t in tenants) or any(
             r.priority is PriorityClass.BATCH and r.tenant_id in tenants for r in self.swapped)

@@ -248,10 +248,9 @@ class StepShaper:
             cross_tenant_room = max(0.0, min(target, cross_tenant_target) - predicted)
             if derived:
                 self._open_cross_tenant_room(step, cross_tenant_room, most_s - predicted)
+                self._unsettled = (step.plan, target, most_s - target)
             else:
                 step.cross_tenant_time_left_s = cross_tenant_room  # a fixed target bounds every step
-            if derived:
-                self._unsettled = (step.plan, target, most_s - target)
             # Tenants' long prompts take turns: a step in long_prompt_every, up to the arrival budget or the
             # streams' own target if longer (a tenant's target bounds both); the streams' other steps hold
             # none of them. On a CPU a few prompt tokens in every step would cost more: a step's first rows
@@ -440,7 +439,7 @@ class StepShaper:
             step.shaped_time_left_s = 0.0
         else:
             step.cross_tenant_time_left_s = 0.0
-        step.cross_tenant_spends = cross_tenant
+            step.cross_tenant_spends = False
 
     def _note_long_prompt_wait(self, step: StepBuilder) -> None:
         """Count the steps in which a long prompt waited (once each, whatever the number of prompts)."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import re
 import uuid
-from collections.abc import AsyncGenerator, Coroutine, Mapping
+from collections.abc import AsyncGenerator, Awaitable, Callable, Coroutine, Mapping
 from typing import Any, TypeVar
 
 from starlette.requests import ClientDisconnect, Request
@@ -125,6 +125,44 @@ class RequestIdMiddleware:
             await send(message)
 
         await self.app(scope, receive, send_with_id)
+
+
+class ShutdownAnswerMiddleware:
+    """A request the server cancels at shutdown gets `answer`'s response, not uvicorn's bare 500.
+
+    uvicorn gives running requests `timeout_graceful_shutdown` after the drain, then cancels their tasks
+    and answers a 500 for any whose response had not begun. Those are requests still waiting before the
+    engine (for a tenant's turn at the worker threads, say): the drain ends everything in the engine
+    with its own error. While `is_shutting_down()`, such a cancellation is answered instead (a 503 in the
+    API's own shape) and the task ends quietly; at any other time it is passed on unchanged."""
+
+    def __init__(self, app: ASGIApp, is_shutting_down: Callable[[], bool],
+                 answer: Callable[[Request], Awaitable[Response]]) -> None:
+        self.app = app
+        self.is_shutting_down = is_shutting_down
+        self.answer = answer
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        has_started = False
+
+        async def send_noting_start(message: Message) -> None:
+            nonlocal has_started
+            has_started = has_started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_noting_start)
+        except asyncio.CancelledError:
+            if has_started or not self.is_shutting_down():
+                raise
+            task = asyncio.current_task()
+            if task is not None:
+                task.uncancel()  # answered: the cancellation has done what it was for
+            response = await self.answer(Request(scope))
+            await response(scope, receive, send)
 
 
 def _request_id_of(scope: Scope) -> bytes:

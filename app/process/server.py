@@ -24,12 +24,12 @@ from starlette.responses import Response
 from starlette.types import ASGIApp
 
 from app.anthropic.errors import AnthropicError, anthropic_error_handler
-from app.anthropic.routes import AnthropicRoutes
+from app.anthropic.routes import MESSAGES_PATH, AnthropicRoutes
 from app.batch.api import BatchAPI
 from app.observability.routes import Observability, metrics_options, trace_requests
 from app.openai.routes import OpenAIRoutes
 from app.openai.tokenization import TokenizationRoutes
-from app.plumbing.asgi import CLIENT_CLOSED_STATUS, ClientGone, RequestIdMiddleware
+from app.plumbing.asgi import CLIENT_CLOSED_STATUS, ClientGone, RequestIdMiddleware, ShutdownAnswerMiddleware
 from app.plumbing.errors import APIError, api_error_handler, http_exception_handler, unexpected_error_handler
 from app.plumbing.http_limits import BodyTimeoutMiddleware, header_timeout_protocol, uvicorn_limit_concurrency
 from app.plumbing.private_dirs import prepare_data_dirs
@@ -37,7 +37,7 @@ from app.plumbing.rejection_pacing import ErrorHandler, RejectionPacing
 from app.process.flags import add_model_flags, settings_from_args
 from app.responses.api import ResponsesAPI
 from app.serving.context import ServingContext
-from app.serving.submission import SHUTTING_DOWN
+from app.serving.submission import SHUTTING_DOWN, shutting_down
 from config.settings import Settings
 from scheduling.gc_pacing import paced_collection
 
@@ -90,14 +90,22 @@ def create_app(context: ServingContext) -> ASGIApp:
     routes = [*openai.routes(), *anthropic.routes(), *tokenization.routes(), *batches.routes, *responses.routes,
               *observability.routes()]
     pacing = refusal_pacing(settings)
+    openai_errors = observability.count_rejections(pacing(api_error_handler))
+    anthropic_errors = observability.count_rejections(pacing(anthropic_error_handler))
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={
-        APIError: observability.count_rejections(pacing(api_error_handler)),
-        AnthropicError: observability.count_rejections(pacing(anthropic_error_handler)),
+        APIError: openai_errors,
+        AnthropicError: anthropic_errors,
         HTTPException: http_exception_handler,
         ClientGone: _client_gone_handler,
         Exception: unexpected_error_handler,
     })
-    return RequestIdMiddleware(app)
+
+    async def shutting_down_answer(request: Request) -> Response:
+        if request.url.path.startswith(MESSAGES_PATH):
+            return await anthropic_errors(request, AnthropicError.of(shutting_down()))
+        return await openai_errors(request, shutting_down())
+
+    return RequestIdMiddleware(ShutdownAnswerMiddleware(app, lambda: context.is_draining, shutting_down_answer))
 
 
 def refusal_pacing(settings: Settings) -> Callable[[ErrorHandler], ErrorHandler]:

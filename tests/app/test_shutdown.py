@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -15,7 +16,8 @@ import httpx
 import pytest
 
 from app.process.server import CLOSE_TIMEOUT_S
-from tests.app.conftest import ServerThread, SteppedExecutor, stepped_server, wait_for
+from app.serving.off_loop import THREAD_TOKENIZE_CHARS
+from tests.app.conftest import ServerThread, SteppedExecutor, instant_context, stepped_server, wait_for
 from tests.app.served_process import ServedProcess
 from tests.app.sse import DONE, finish_reasons, sse_frames, sse_payloads
 
@@ -182,3 +184,75 @@ def test_sigterm_drains_then_exits(served_process: tuple[subprocess.Popen[str], 
     for stream in streams:
         assert_finished_or_ended_by_shutdown(stream.finished_content(timeout=SERVED_GRACE_S + 30))
     assert process.wait(timeout=SERVED_GRACE_S + CLOSE_TIMEOUT_S + 15) == 0
+
+
+class Poster(threading.Thread):
+    """Sends one POST in the background and keeps the response (or the transport error)."""
+
+    def __init__(self, url: str, body: dict[str, Any]) -> None:
+        super().__init__(daemon=True)
+        self.url = url
+        self.body = body
+        self.response: httpx.Response | None = None
+        self.error: httpx.TransportError | None = None
+
+    def run(self) -> None:
+        try:
+            self.response = httpx.post(self.url, json=self.body, timeout=60)
+        except httpx.TransportError as exc:
+            self.error = exc
+
+    def answer(self) -> httpx.Response:
+        self.join(CLOSE_TIMEOUT_S + 30)
+        assert self.error is None, f"the connection was cut: {self.error!r}"
+        assert self.response is not None, "no answer"
+        return self.response
+
+
+def test_requests_still_waiting_before_the_engine_at_shutdown_get_a_503_in_their_apis_shape(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two requests of one tenant wait before the engine when the server stops: a long /tokenize held in
+    its worker thread, and a long Messages request waiting for the tenant's turn behind it. The drain
+    finds the engine idle; uvicorn gives them its close timeout, then cancels them. Each is answered
+    as shutting down in its own API's shape (OpenAI's 503, Anthropic's 529), not with a bare 500."""
+    server = ServerThread(instant_context()).start()
+    tokenizer, off_loop = server.context.tokenizer, server.context.off_loop
+    held, release = threading.Event(), threading.Event()
+    encode, turn = tokenizer.encode, off_loop._turn
+    num_turns = 0
+
+    def held_encode(text: str, *args: Any, **kwargs: Any) -> list[int]:
+        held.set()
+        release.wait(CLOSE_TIMEOUT_S + 30)
+        return encode(text, *args, **kwargs)
+
+    def counted_turn(tenant_id: str) -> asyncio.Semaphore:
+        nonlocal num_turns
+        num_turns += 1  # the caller awaits the turn next, with no other await between
+        return turn(tenant_id)
+
+    monkeypatch.setattr(tokenizer, "encode", held_encode)
+    monkeypatch.setattr(off_loop, "_turn", counted_turn)
+    long_text = "x" * THREAD_TOKENIZE_CHARS
+    tokenize = Poster(f"{server.base_url}/tokenize", {"prompt": long_text})
+    messages = Poster(f"{server.base_url}/v1/messages", {
+        "model": server.model_name, "max_tokens": 4, "messages": [{"role": "user", "content": long_text}]})
+    stopper = threading.Thread(target=server.stop, daemon=True)
+    try:
+        tokenize.start()
+        assert held.wait(30), "the /tokenize job did not start"
+        messages.start()
+        wait_for(lambda: num_turns == 2, what="the Messages request to wait for the tenant's turn")
+        stopper.start()
+        answers = tokenize.answer(), messages.answer()
+    finally:
+        release.set()
+        stopper.join(30)
+
+    assert not stopper.is_alive(), "the server did not stop"
+    openai, anthropic = answers
+    assert (openai.status_code, openai.json()["error"]["code"]) == (503, SHUTTING_DOWN_CODE)
+    assert openai.headers["retry-after"]
+    assert anthropic.status_code == 529
+    assert anthropic.json()["type"] == "error" and anthropic.json()["error"]["type"] == "overloaded_error"
+    assert "shutting down" in anthropic.json()["error"]["message"]

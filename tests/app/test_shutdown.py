@@ -247,6 +247,8 @@ def test_requests_still_waiting_before_the_engine_at_shutdown_get_a_503_in_their
         answers = tokenize.answer(), messages.answer()
     finally:
         release.set()
+        if stopper.ident is None:  # failed before the stop: stop the server all the same
+            stopper.start()
         stopper.join(30)
 
     assert not stopper.is_alive(), "the server did not stop"

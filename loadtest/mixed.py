@@ -13,10 +13,11 @@ of the trace's mean lengths, all at once and split between the tenants, and divi
 time the last one took. A run `--against` an earlier report takes that report's capacity: two runs
 compare only on the same trace.
 
-The report: mean and p99 TTFT, the p99 TTFT of the longest prompt bucket (the documents), and Jain's
-index of the two tenants' service (prompt tokens at their first token, a token per content chunk) over
-the time both had requests in flight. Run it once per server setting (say `--queue-order fcfs`, then
-`hrrn`, each on a freshly started server) and give the first report to the second with `--against`.
+The report: mean and p99 TTFT, the p99 TTFT of the longest prompt bucket (the documents), Jain's index
+of the two tenants' service (prompt tokens at their first token, a token per content chunk) over the time
+both had requests in flight, and the trace's tokens a second against what the server computed of it. Run
+it once per server setting (say `--queue-order fcfs`, then `hrrn`, each on a freshly started server) and
+give the first report to the second with `--against`.
 """
 
 from __future__ import annotations
@@ -193,6 +194,7 @@ def build_mixed_report(result: MixedResult, load_average: tuple[float, float],
         "ttft_p50_s": percentile(ttfts, 50), "ttft_p99_s": percentile(ttfts, 99),
         "longest_bucket_requests": len(longest), "longest_bucket_ttft_p99_s": percentile(longest, 99),
         "jain": jain_index(_service_while_both_backlogged(result)),
+        **_offered_and_served(result),
     }
     report: dict[str, Any] = {
         "config": {k: v for k, v in asdict(result.config).items() if k != "tenants"},
@@ -206,6 +208,20 @@ def build_mixed_report(result: MixedResult, load_average: tuple[float, float],
             "jain_difference": None if summary["jain"] is None or theirs.get("jain") is None
             else summary["jain"] - theirs["jain"]}
     return report
+
+
+def _offered_and_served(result: MixedResult) -> dict[str, float | None]:
+    """The trace's tokens a second while it arrived, and those of its requests that ended, from the first
+    request sent to the last one's end: past capacity the run is as far past as their ratio, whatever the
+    capacity figure said (eight requests at once can batch far better than a trace of mixed lengths)."""
+    offered = sum(s.item.prompt_tokens + s.item.output_tokens for s in result.sent) / result.config.duration_s
+    ended = [s for s in result.sent if s.ended_at is not None]
+    if not ended:
+        return {"offered_tokens_per_s": offered, "served_tokens_per_s": None, "offered_over_served": None}
+    span_s = max(s.ended_at for s in ended if s.ended_at is not None) - min(s.record.sent_at for s in result.sent)
+    served = sum(s.item.prompt_tokens + s.item.output_tokens for s in ended) / span_s  # the trace's lengths, as offered
+    return {"offered_tokens_per_s": offered, "served_tokens_per_s": served,
+            "offered_over_served": offered / served if served > 0 else None}
 
 
 def request_rows(result: MixedResult) -> list[dict[str, Any]]:
@@ -251,7 +267,8 @@ def mixed_table(report: dict[str, Any]) -> str:
             ["requests (ok)", f"{s['requests']} ({s['ok']})"], ["TTFT mean s", sec(s["ttft_mean_s"])],
             ["TTFT p50 s", sec(s["ttft_p50_s"])], ["TTFT p99 s", sec(s["ttft_p99_s"])],
             [f"longest bucket ({s['longest_bucket_requests']}) TTFT p99 s", sec(s["longest_bucket_ttft_p99_s"])],
-            ["Jain (both backlogged)", "-" if s["jain"] is None else f"{s['jain']:.3f}"]]
+            ["Jain (both backlogged)", "-" if s["jain"] is None else f"{s['jain']:.3f}"],
+            ["offered / served tok/s", _offered_over_served(s)]]
     text = format_table([[report["config"]["label"] or "this run", ""], *rows]) + "\n"
     against = report.get("against")
     if against:
@@ -260,6 +277,13 @@ def mixed_table(report: dict[str, Any]) -> str:
         text += f"\nagainst {against['label'] or 'the given report'}:\n{ratios}\n"
         text += f"  Jain difference: {'-' if jain is None else f'{jain:+.3f}'}\n"
     return text
+
+
+def _offered_over_served(summary: dict[str, Any]) -> str:
+    if summary.get("offered_over_served") is None:
+        return "-"
+    return (f"{summary['offered_tokens_per_s']:.0f} / {summary['served_tokens_per_s']:.0f}"
+            f" ({summary['offered_over_served']:.2f}x)")
 
 
 def write_mixed_report(report: dict[str, Any], out_dir: Path) -> str:

@@ -85,6 +85,13 @@ def test_the_command_sends_the_trace_and_compares_with_an_earlier_run(tmp_path: 
     assert len(rows) == summary["requests"] and [r["arrival_s"] for r in rows] == sorted(r["arrival_s"] for r in rows)
     assert all(r["outcome"] == "ok" and r["ttft_s"] is not None and r["e2e_s"] >= r["ttft_s"] for r in rows)
     assert sum(r["ttft_s"] for r in rows) / len(rows) == pytest.approx(summary["ttft_mean_s"], abs=1e-2)
+    # how far past what the server computed the run was: the trace's tokens over its 3 s, against what came back
+    offered = sum(r["prompt_tokens"] + r["output_tokens"] for r in rows) / 3
+    assert summary["offered_tokens_per_s"] == pytest.approx(offered)
+    span_s = max(r["arrival_s"] + r["e2e_s"] for r in rows) - min(r["arrival_s"] for r in rows)
+    assert summary["served_tokens_per_s"] == pytest.approx(offered * 3 / span_s, rel=0.1)  # every request ended
+    assert summary["offered_over_served"] == pytest.approx(offered / summary["served_tokens_per_s"])
+    assert "offered / served tok/s" in (tmp_path / "second" / "summary.md").read_text()
 
 
 def test_the_capacity_is_measured_unless_given_and_a_comparison_runs_the_earlier_trace(tmp_path: Path) -> None:

@@ -211,11 +211,11 @@ def build_mixed_report(result: MixedResult, load_average: tuple[float, float],
 
 
 def _offered_and_served(result: MixedResult) -> dict[str, float | None]:
-    """The trace's tokens a second while it arrived, and those of its requests that ended, from the first
+    """The trace's tokens a second while it arrived, and those of its requests that were served, from the first
     request sent to the last one's end: past capacity the run is as far past as their ratio, whatever the
     capacity figure said (eight requests at once can batch far better than a trace of mixed lengths)."""
     offered = sum(s.item.prompt_tokens + s.item.output_tokens for s in result.sent) / result.config.duration_s
-    ended = [s for s in result.sent if s.ended_at is not None]
+    ended = [s for s in result.sent if s.ended_at is not None and s.record.outcome == OK]
     if not ended:
         return {"offered_tokens_per_s": offered, "served_tokens_per_s": None, "offered_over_served": None}
     span_s = max(s.ended_at for s in ended if s.ended_at is not None) - min(s.record.sent_at for s in result.sent)
